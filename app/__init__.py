@@ -1,0 +1,1 @@
+"""Skrull on Ray: wiring, configuration and command-line entry points."""

