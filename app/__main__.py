@@ -22,23 +22,36 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="skrull", description=__doc__.splitlines()[0])
+def _top_level_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="skrull", description="Skrull on Ray: long-context SFT scheduling.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (module_name, help_text) in COMMANDS.items():
-        command_parser = sub.add_parser(name, help=help_text, description=help_text)
-        module = importlib.import_module(f"app.commands.{module_name}")
-        module.add_arguments(command_parser)
-        command_parser.set_defaults(_module=module)
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def build_command_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of one command; only that command's module is imported."""
+    module_name, help_text = COMMANDS[name]
+    module = importlib.import_module(f"app.commands.{module_name}")
+    parser = argparse.ArgumentParser(prog=f"skrull {name}", description=help_text)
+    module.add_arguments(parser)
+    parser.set_defaults(_module=module, command=name)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        _top_level_parser().parse_args(argv)  # prints usage / the unknown-command error and exits
+        return 2
+    args = build_command_parser(argv[0]).parse_args(argv[1:])
+    from scheduling import SchedulingError
+
     try:
         return int(args._module.run(args) or 0)
-    except ConfigError as err:
-        print(f"skrull {args.command}: configuration error: {err}", file=sys.stderr)
+    except (ConfigError, SchedulingError) as err:
+        print(f"skrull {args.command}: error: {err}", file=sys.stderr)
         return 2
 
 

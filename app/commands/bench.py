@@ -1,0 +1,86 @@
+"""`python -m app bench planner|attention`: planning latency, and the DACP attention overlap benchmark.
+
+`bench planner` times GDS + DACP (the skrull policy) on one global batch of synthetic LMsysChat1M-like
+lengths for (sequences, ranks) = (64, 8), (256, 32), (1024, 128), (4096, 1024), with CP = 8 (so DP =
+ranks / 8) and Qwen2.5-0.5B's cost model with BucketSize 26000. Each repeat plans a fresh batch (new
+seed), so the percentiles cover the data's variety, not one lucky batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+CASES = ((64, 8), (256, 32), (1024, 128), (4096, 1024))
+CP_SIZE = 8
+BUCKET_SIZE = 26000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    planner = sub.add_parser("planner", help="planning latency of GDS + DACP for one global batch")
+    planner.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    planner.add_argument("--repeats", type=int, default=50, help="global batches planned per case")
+    planner.set_defaults(_bench=_run_planner)
+    attention = sub.add_parser("attention", help="DACP attention: local/ring overlap on CPU (gloo)")
+    try:
+        from workers.bench_attention import add_arguments as add_attention_arguments
+    except ImportError as err:  # the attention benchmark lives in workers/; planner must work without it
+        attention.set_defaults(_bench=_missing(err))
+    else:
+        add_attention_arguments(attention)
+        attention.set_defaults(_bench=_run_attention)
+
+
+def _missing(err: ImportError):
+    def run(args: argparse.Namespace) -> int:
+        print(f"skrull bench attention: unavailable ({err})")
+        return 1
+    return run
+
+
+def _run_attention(args: argparse.Namespace) -> int:
+    from workers.bench_attention import run as run_attention
+
+    return int(run_attention(args) or 0)
+
+
+def planner_latency(sequences: int, ranks: int, repeats: int) -> dict[str, float]:
+    """Median / p99 wall milliseconds of plan_step('skrull', ...) over `repeats` fresh batches."""
+    import numpy as np
+
+    from scheduling import CostModel, plan_step, sample_lengths
+
+    cost = CostModel.from_model_dims(hidden_size=896, kv_hidden_size=128, num_layers=24)
+    limit = BUCKET_SIZE * CP_SIZE
+    times = []
+    for seed in range(repeats):
+        lengths = np.minimum(sample_lengths("lmsys", sequences, seed), limit)
+        start = time.perf_counter()
+        plan_step("skrull", lengths, dp_size=ranks // CP_SIZE, cp_size=CP_SIZE, bucket_size=BUCKET_SIZE,
+                  cost=cost)
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"sequences": sequences, "ranks": ranks, "dp_size": ranks // CP_SIZE, "cp_size": CP_SIZE,
+            "plan_ms_median": float(np.median(times)), "plan_ms_p99": float(np.percentile(times, 99))}
+
+
+def _run_planner(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    rows = [planner_latency(s, r, args.repeats) for s, r in CASES]
+    if args.json:
+        print(json.dumps({"planner": rows}))
+        return 0
+    print(f"planner latency, skrull policy (GDS + DACP), CP={CP_SIZE}, BucketSize={BUCKET_SIZE}, "
+          f"{args.repeats} batches per case")
+    print(f"{'sequences':>9}  {'ranks':>5}  {'DPxCP':>7}  {'median ms':>9}  {'p99 ms':>8}")
+    for row in rows:
+        shape = f"{row['dp_size']}x{row['cp_size']}"
+        print(f"{row['sequences']:>9}  {row['ranks']:>5}  {shape:>7}  {row['plan_ms_median']:>9.2f}  "
+              f"{row['plan_ms_p99']:>8.2f}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args._bench(args) or 0)

@@ -1,0 +1,38 @@
+"""`python -m app plan`: a dry run of every scheduling policy on sampled global batches (modeled times)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from app.commands.common import add_config_arguments, add_json_argument, config_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    add_json_argument(parser)
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="write a per-rank modeled-time chart (static CP beside Skrull) to this file")
+
+
+def run(args: argparse.Namespace) -> int:
+    from app.hardware import cost_model_from_config
+    from app.plan_report import format_table, plan_dry_run, plot_ranks
+
+    config = config_from_args(args)
+    cost = cost_model_from_config(config)
+    runs, summary = plan_dry_run(config, cost)
+    if args.plot:
+        plot_ranks(runs, args.plot)
+    if args.json:
+        print(json.dumps({"policies": summary}))
+        return 0
+    par, sched = config.parallel, config.scheduling
+    batches = len(runs["skrull"].estimates)
+    print(f"{config.run.name}: {batches} global batches of {sched.global_batch_size} sequences, "
+          f"DP={par.dp_size} x CP={par.cp_size}, BucketSize={sched.bucket_size}, "
+          f"hardware={cost.profile.name} (modeled times, not measurements)")
+    print(format_table(summary))
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0

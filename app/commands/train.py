@@ -1,0 +1,31 @@
+"""`python -m app train --config X [--set k=v] [--json]`: train on Ray (embedded, or at RAY_ADDRESS)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from app.commands.common import add_config_arguments, add_json_argument, config_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser, required=True)
+    add_json_argument(parser)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from app.driver import train
+
+    config = config_from_args(args)
+    # With --json, stdout carries only the summary line; worker errors still surface as exceptions.
+    summary = train(config, progress=not args.no_progress and not args.json, worker_logs=not args.json)
+    if args.json:
+        result = summary.to_json_dict()
+        result.pop("losses")
+        print(json.dumps(result))
+    else:
+        print(f"trained {summary.steps} steps, {summary.samples} samples, {summary.tokens} tokens: loss "
+              f"{summary.loss_first:.4f} -> {summary.loss_last:.4f}, {summary.tokens_per_s:.0f} tokens/s")
+        print(f"run directory: {summary.run_dir}\ncheckpoint: {summary.checkpoint}")
+    return 0

@@ -1,0 +1,143 @@
+"""The Ray Data pipeline of a run: read (or synthesize) -> tokenize, in a deterministic row order.
+
+    data.source=path        read_parquet(files) | read_text(jsonl files) | from_huggingface(load_from_disk)
+    data.source=synthetic   range(data.num_samples) -> map_batches(SynthesizeBatch)
+                 \\-> map_batches(TokenizeBatch, ActorPoolStrategy(size=1), num_cpus=resources.data_cpus)
+                 -> rows {input_ids, labels, num_tokens, raw_tokens, status}
+
+The planner numbers samples by their position in this stream and resumes by skipping a count, so the
+pipeline sets `DataContext.preserve_order = True` and reads files in sorted order. Everything that can be
+wrong with the input (missing path, unknown format, a tokenizer that does not load) is checked here, on
+the driver, before any Ray task starts. Nothing here calls `ray.init`: the caller owns the cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from app.config import SkrullConfig, max_sequence_length
+from app.data import DataError
+from app.data.ray_ops import SynthesizeBatch, TokenizeBatch
+from app.data.readers import load_hf_dataset, resolve_source
+from app.data.template import STATUSES, USABLE, TemplateSettings
+from app.data.tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True, eq=False)
+class DataScan:
+    """One pass over the tokenized stream: row count, usable lengths (stream order), per-status counts."""
+
+    num_rows: int
+    lengths: np.ndarray
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_usable(self) -> int:
+        return int(sum(self.counts.get(status, 0) for status in USABLE))
+
+    def summary(self) -> str:
+        """One line for logs: usable rows and tokens, then every non-zero status count."""
+        parts = [f"{self.num_usable}/{self.num_rows} rows usable", f"{int(self.lengths.sum())} tokens"]
+        parts += [f"{status}={n}" for status, n in self.counts.items() if n and status != "ok"]
+        return "data: " + ", ".join(parts)
+
+
+def template_settings(cfg: SkrullConfig) -> TemplateSettings:
+    data = cfg.data
+    return TemplateSettings(chat_template=data.chat_template, labels=data.labels,
+                            max_length=max_sequence_length(cfg), too_long=data.too_long)
+
+
+def tokenized_dataset(cfg: SkrullConfig, lengths_only: bool = False) -> Any:
+    """The run's tokenized rows as a lazy `ray.data.Dataset` (columns: see module docstring).
+
+    lengths_only drops input_ids / labels (what `scan_dataset` needs). Raises DataError before starting
+    anything if data.path / data.format / data.tokenizer are unusable.
+    """
+    import ray.data
+
+    data = cfg.data
+    tok = load_tokenizer(data.tokenizer)  # fail on the driver, not inside an actor
+    if data.chat_template or data.source == "synthetic":
+        tok.require_chat_ids()
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    source, json_lines = _source_dataset(cfg)
+    return source.map_batches(
+        TokenizeBatch,
+        fn_constructor_kwargs={"tokenizer": data.tokenizer, "settings": template_settings(cfg),
+                               "json_lines": json_lines, "lengths_only": lengths_only},
+        batch_size=data.tokenize_batch_size, batch_format="pyarrow",
+        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=cfg.resources.data_cpus,
+    )
+
+
+def _source_dataset(cfg: SkrullConfig) -> tuple[Any, bool]:
+    """(rows dataset, whether its `text` column holds raw JSONL lines)."""
+    import ray.data
+
+    data = cfg.data
+    if data.source == "synthetic":
+        if data.num_samples < 1:
+            raise DataError(f"data.num_samples={data.num_samples}: the synthetic source needs >= 1 sample")
+        rows = ray.data.range(data.num_samples).map_batches(
+            SynthesizeBatch,
+            fn_constructor_kwargs={"tokenizer": data.tokenizer, "distribution": data.distribution,
+                                   "num_samples": data.num_samples, "seed": data.seed,
+                                   "length_scale": data.length_scale},
+            batch_size=data.tokenize_batch_size, batch_format="pyarrow",
+            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=cfg.resources.data_cpus,
+        )
+        return rows, False
+    source = resolve_source(data)
+    if source.format == "parquet":
+        return ray.data.read_parquet(list(source.files), columns=list(source.columns)), False
+    if source.format == "jsonl":
+        return ray.data.read_text(list(source.files), drop_empty_lines=True), True
+    dataset = load_hf_dataset(source.files[0]).select_columns(list(source.columns))
+    return ray.data.from_huggingface(dataset), False
+
+
+def scan_dataset(cfg: SkrullConfig) -> DataScan:
+    """Run the pipeline once keeping only lengths and statuses; DataError if the data cannot train.
+
+    Errors: any row longer than the maximum length with data.too_long=error (names data.too_long,
+    data.max_length and scheduling.bucket_size), or no usable row at all (names data.path).
+    """
+    statuses: list[np.ndarray] = []
+    lengths: list[np.ndarray] = []
+    raw: list[np.ndarray] = []
+    dataset = tokenized_dataset(cfg, lengths_only=True)
+    for batch in dataset.iter_batches(batch_size=4096, batch_format="numpy"):
+        statuses.append(np.asarray(batch["status"]).astype(str))
+        lengths.append(np.asarray(batch["num_tokens"], dtype=np.int64))
+        raw.append(np.asarray(batch["raw_tokens"], dtype=np.int64))
+    status = np.concatenate(statuses) if statuses else np.zeros(0, dtype=str)
+    num_tokens = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+    raw_tokens = np.concatenate(raw) if raw else np.zeros(0, dtype=np.int64)
+    counts = {name: int(np.count_nonzero(status == name)) for name in STATUSES}
+    scan = DataScan(num_rows=len(status), lengths=num_tokens[np.isin(status, USABLE)], counts=counts)
+    check_scan(cfg, scan, raw_tokens[status == "too_long"])
+    return scan
+
+
+def check_scan(cfg: SkrullConfig, scan: DataScan, too_long_lengths: np.ndarray) -> None:
+    """Turn a scan that cannot train into one DataError naming the knob to change."""
+    if len(too_long_lengths):
+        limit = max_sequence_length(cfg)
+        c, n = cfg.scheduling.bucket_size, cfg.parallel.cp_size
+        raise DataError(
+            f"{len(too_long_lengths)} of {scan.num_rows} rows are longer than the maximum sequence length "
+            f"{limit} tokens (longest: {int(too_long_lengths.max())}); the limit is data.max_length "
+            f"(={cfg.data.max_length}, 0 = no extra cap) capped by scheduling.bucket_size * parallel.cp_size "
+            f"= {c} * {n}. Set data.too_long=truncate or data.too_long=drop, or raise "
+            "scheduling.bucket_size / parallel.cp_size"
+        )
+    if scan.num_usable == 0:
+        where = (f"data.path={cfg.data.path!r}" if cfg.data.source == "path"
+                 else f"data.source=synthetic (data.num_samples={cfg.data.num_samples})")
+        bad = ", ".join(f"{k}={v}" for k, v in scan.counts.items() if v)
+        raise DataError(f"no usable rows in {where} ({scan.num_rows} rows: {bad or 'none'})")
+

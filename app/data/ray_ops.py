@@ -1,0 +1,86 @@
+"""The callable classes Ray Data runs in `map_batches` (one actor each; the tokenizer loads once per actor).
+
+    ray.data.range(n) --SynthesizeBatch--> {sample_id, messages}          (data.source: synthetic)
+    read_parquet / read_text / from_huggingface --> {messages | text | json_line rows}
+        --TokenizeBatch--> {input_ids list<int32>, labels list<int32>, num_tokens, raw_tokens, status}
+
+Both take and return pyarrow Tables (`batch_format="pyarrow"`); the token columns are built as Arrow list
+arrays from one flat int32 buffer plus offsets, not from per-row Python lists. Neither imports Ray: they
+are plain classes that Ray instantiates inside its actors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from app.data.synth import ConversationSynth, synth_conversations, target_lengths
+from app.data.template import TemplateSettings, tokenize_rows
+from app.data.tokenizer import load_tokenizer
+
+MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+class SynthesizeBatch:
+    """Batch of `ray.data.range` ids -> synthetic conversations of the configured target lengths.
+
+    The targets of all num_samples are drawn once in the constructor (same seed as `data synth`), so
+    a row depends only on its id: the in-memory source equals `data synth --n num_samples` row for row.
+    """
+
+    def __init__(self, tokenizer: str, distribution: str, num_samples: int, seed: int,
+                 length_scale: float) -> None:
+        self.synth = ConversationSynth(load_tokenizer(tokenizer))
+        self.distribution = distribution
+        self.seed = seed
+        self.targets = target_lengths(distribution, num_samples, seed, length_scale)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        ids = batch.column("id").to_numpy().astype(np.int64)
+        conversations = synth_conversations(self.synth, ids, self.targets[ids], self.distribution, self.seed)
+        return pa.table({"sample_id": pa.array(ids, pa.int64()),
+                         "messages": pa.array(conversations, MESSAGES_TYPE)})
+
+
+class TokenizeBatch:
+    """Batch of rows -> tokenized rows (see app/data/template.py for the template, labels and statuses).
+
+    json_lines: the batch is `ray.data.read_text` output whose `text` column holds raw JSONL lines.
+    lengths_only: emit only num_tokens / raw_tokens / status (the cheap pre-scan of `scan_dataset`).
+    """
+
+    def __init__(self, tokenizer: str, settings: TemplateSettings, json_lines: bool = False,
+                 lengths_only: bool = False) -> None:
+        self.tok = load_tokenizer(tokenizer)
+        self.settings = settings
+        self.json_lines = json_lines
+        self.lengths_only = lengths_only
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        out = tokenize_rows(self._rows(batch), self.tok, self.settings)
+        columns: dict[str, Any] = {
+            "num_tokens": pa.array(out.num_tokens, pa.int64()),
+            "raw_tokens": pa.array(out.raw_tokens, pa.int64()),
+            "status": pa.array(out.status, pa.string()),
+        }
+        if not self.lengths_only:
+            columns = {"input_ids": int32_lists(out.input_ids), "labels": int32_lists(out.labels), **columns}
+        return pa.table(columns)
+
+    def _rows(self, batch: pa.Table) -> list[dict[str, Any]]:
+        if self.json_lines:
+            return [{"json_line": line} for line in batch.column("text").to_pylist()]
+        present = [name for name in ("messages", "text") if name in batch.column_names]
+        values = [batch.column(name).to_pylist() for name in present]
+        return [dict(zip(present, row, strict=True)) for row in zip(*values, strict=True)] if present \
+            else [{} for _ in range(batch.num_rows)]
+
+
+def int32_lists(arrays: list[np.ndarray]) -> pa.ListArray:
+    """Arrow list<int32> from per-row int32 arrays: one concatenated buffer plus int32 offsets."""
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(np.int32, copy=False)))

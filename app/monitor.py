@@ -1,0 +1,72 @@
+"""Live progress from the workers to the driver's progress bar.
+
+Ray Train calls `ProgressCallback.after_report` in its controller once every worker has reported a step;
+the callback forwards world rank 0's metrics to a tiny `RunMonitor` actor that the driver polls. Nothing
+here is on the workers' hot path.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import ray
+from ray.train import UserCallback
+
+
+@ray.remote(num_cpus=0)
+class RunMonitor:
+    """Keeps every reported step's metrics (rank 0's), in order."""
+
+    def __init__(self) -> None:
+        self._history: list[dict[str, Any]] = []
+
+    def record(self, metrics: dict[str, Any]) -> None:
+        self._history.append(metrics)
+
+    def since(self, index: int) -> list[dict[str, Any]]:
+        return self._history[index:]
+
+
+class ProgressCallback(UserCallback):
+    def __init__(self, monitor: Any) -> None:
+        self._monitor = monitor
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if metrics and metrics[0]:
+            self._monitor.record.remote(dict(metrics[0]))
+
+
+class ProgressBar:
+    """A tqdm bar on the driver fed by polling the monitor in a background thread."""
+
+    def __init__(self, monitor: Any, total_steps: int, enabled: bool = True, poll_s: float = 0.5) -> None:
+        from tqdm import tqdm
+
+        self._monitor = monitor
+        self._bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled)
+        self._poll_s = poll_s
+        self.history: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> ProgressBar:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._drain()
+        self._bar.close()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            self._drain()
+
+    def _drain(self) -> None:
+        new = ray.get(self._monitor.since.remote(len(self.history)))
+        for metrics in new:
+            self.history.append(metrics)
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")

@@ -1,0 +1,156 @@
+"""The dry run behind `python -m app plan`: sample global batches, plan them with every policy, model them.
+
+Everything printed is *modeled* (scheduling.simulate under a hardware profile), never measured, except the
+planning latency, which is the wall time of `plan_step` on this machine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.config import ConfigError, SkrullConfig, max_sequence_length
+from scheduling import POLICIES, CostModel, SchedulingError, StepEstimate, plan_step, sample_lengths, simulate
+
+COLUMNS = (
+    ("policy", "{}"), ("modeled_step_s", "{:.4f}"), ("speedup_vs_static_cp", "{:.2f}x"),
+    ("speedup_vs_static_cp_packed", "{:.2f}x"), ("speedup_vs_sorted", "{:.2f}x"), ("bound_ratio", "{:.3f}"),
+    ("dp_imbalance", "{:.3f}"), ("cp_imbalance", "{:.3f}"), ("distributed_token_fraction", "{:.3f}"),
+    ("micro_batches", "{:.1f}"), ("plan_ms_median", "{:.2f}"), ("plan_ms_p99", "{:.2f}"),
+)
+HEADERS = ("policy", "step s", "vs static", "vs packed", "vs sorted", "bound", "DP imb", "CP imb",
+           "dist frac", "mb/rank", "plan ms p50", "plan ms p99")
+
+
+def apply_too_long(lengths: np.ndarray, config: SkrullConfig) -> np.ndarray:
+    """Enforce data.max_length (default C*N) the way data.too_long says: error | truncate | drop."""
+    limit = max_sequence_length(config)
+    over = lengths > limit
+    if not over.any():
+        return lengths
+    mode = config.data.too_long
+    if mode == "truncate":
+        return np.minimum(lengths, limit)
+    if mode == "drop":
+        return lengths[~over]
+    raise ConfigError(
+        f"{int(over.sum())} sequence(s) longer than {limit} tokens (longest {int(lengths.max())}); the limit "
+        "is data.max_length or scheduling.bucket_size * parallel.cp_size: raise them, or set "
+        "data.too_long=truncate|drop"
+    )
+
+
+def sample_batches(config: SkrullConfig) -> list[np.ndarray]:
+    """plan.num_batches global batches of scheduling.global_batch_size lengths from the data source."""
+    num, size = config.plan.num_batches, config.scheduling.global_batch_size
+    if num < 1:
+        raise ConfigError(f"plan.num_batches must be >= 1, got {num}")
+    data = config.data
+    if data.source == "path":
+        from app.data.lengths import dataset_token_lengths  # another component; only needed for real data
+
+        lengths = np.asarray(dataset_token_lengths(data, limit=num * size), dtype=np.int64)
+    else:
+        raw = sample_lengths(data.distribution, 2 * num * size, data.seed)  # spare rows for too_long=drop
+        lengths = np.maximum(1, np.round(raw * data.length_scale)).astype(np.int64)
+    lengths = apply_too_long(lengths, config)
+    if len(lengths) < size:
+        raise ConfigError(
+            f"the data source gave {len(lengths)} sequences, fewer than scheduling.global_batch_size={size}"
+        )
+    count = min(num, len(lengths) // size)
+    return [lengths[b * size:(b + 1) * size] for b in range(count)]
+
+
+@dataclass
+class PolicyRun:
+    """Estimates and planning latencies of one policy over the sampled batches."""
+
+    estimates: list[StepEstimate] = field(default_factory=list)
+    plan_ms: list[float] = field(default_factory=list)
+
+    @property
+    def total_s(self) -> float:
+        return sum(e.step_s for e in self.estimates)
+
+
+def run_policies(config: SkrullConfig, cost: CostModel, batches: list[np.ndarray]) -> dict[str, PolicyRun]:
+    """Plan and model every batch with every policy."""
+    par, sched = config.parallel, config.scheduling
+    runs = {p: PolicyRun() for p in POLICIES}
+    for batch in batches:
+        for policy in POLICIES:
+            start = time.perf_counter()
+            step = plan_step(policy, batch, dp_size=par.dp_size, cp_size=par.cp_size,
+                             bucket_size=sched.bucket_size, cost=cost, seed=sched.seed,
+                             static_cp_micro_batch=sched.static_cp_micro_batch)
+            runs[policy].plan_ms.append((time.perf_counter() - start) * 1e3)
+            runs[policy].estimates.append(simulate(step, batch, cost))
+    return runs
+
+
+def summarize(runs: dict[str, PolicyRun]) -> dict[str, dict[str, float]]:
+    """Per policy: the JSON row (speedups are ratios of total modeled time over all batches)."""
+    out = {}
+    for policy, run in runs.items():
+        est = run.estimates
+        out[policy] = {
+            "modeled_step_s": run.total_s / len(est),
+            "speedup_vs_static_cp": runs["static_cp"].total_s / run.total_s,
+            "speedup_vs_static_cp_packed": runs["static_cp_packed"].total_s / run.total_s,
+            "speedup_vs_sorted": runs["sorted"].total_s / run.total_s,
+            "bound_ratio": run.total_s / sum(e.bound_s for e in est),
+            "dp_imbalance": float(np.mean([e.dp_imbalance for e in est])),
+            "cp_imbalance": float(np.mean([e.cp_imbalance for e in est])),
+            "distributed_token_fraction": float(np.mean([e.distributed_token_fraction for e in est])),
+            "micro_batches": float(np.mean([e.num_micro_batches for e in est])),
+            "plan_ms_median": float(np.median(run.plan_ms)),
+            "plan_ms_p99": float(np.percentile(run.plan_ms, 99)),
+        }
+    return out
+
+
+def format_table(summary: dict[str, dict[str, float]]) -> str:
+    rows = [HEADERS] + [
+        tuple(fmt.format(policy if key == "policy" else row[key]) for key, fmt in COLUMNS)
+        for policy, row in summary.items()
+    ]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(HEADERS))]
+    lines = ["  ".join(cell.rjust(w) if c else cell.ljust(w)
+                       for c, (cell, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def plot_ranks(runs: dict[str, PolicyRun], path: str) -> None:
+    """Bar chart of the first batch's modeled busy time per (DP, CP) rank: static CP beside Skrull."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    for ax, policy in zip(axes, ("static_cp", "skrull"), strict=True):
+        est = runs[policy].estimates[0]
+        busy = [t for dp in est.rank_busy_s for t in dp]
+        ax.bar(range(len(busy)), busy, color="tab:gray" if policy == "static_cp" else "tab:blue")
+        ax.axhline(est.step_s, color="tab:red", linestyle="--", label=f"step {est.step_s:.3f} s")
+        ax.set_title(f"{policy}: modeled busy time per rank (batch 0)")
+        ax.set_xlabel("rank (dp * cp_size + cp)")
+        ax.legend()
+    axes[0].set_ylabel("seconds (modeled)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plan_dry_run(config: SkrullConfig, cost: CostModel) -> tuple[dict[str, PolicyRun], dict]:
+    """Sample, plan and model; SchedulingError becomes a ConfigError (it names the knob already)."""
+    batches = sample_batches(config)
+    try:
+        runs = run_policies(config, cost, batches)
+    except SchedulingError as err:
+        raise ConfigError(str(err)) from None
+    return runs, summarize(runs)

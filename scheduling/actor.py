@@ -1,0 +1,189 @@
+"""The planner actor: the only Ray code under scheduling/.
+
+    Ray Data stream ──rows──▶ [ planning thread ]──ray.put──▶ object store
+      (deterministic order)    accumulate K samples          one payload per (dp, cp) rank and step
+                               plan_step(policy, lengths)    │
+                               build_rank_payloads           ▼
+                                                         payload(step, dp, cp) ◀── each train worker
+
+The planning thread runs up to `prefetch` steps ahead of the slowest worker, so planning and the object
+store transfer hide behind training. The actor owns the data cursor: a payload carries the (epoch, rows)
+position after its step, which the workers checkpoint, so a resumed run skips exactly what was consumed.
+Sample ids are stream positions within an epoch (the stream order is deterministic), so each id appears once
+per epoch in the run's samples.jsonl.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from scheduling import CostModel, plan_step
+from scheduling.payload import Cursor, RankPayload, Sample, build_rank_payloads
+
+USABLE_STATUSES = ("ok", "truncated")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerSettings:
+    policy: str
+    dp_size: int
+    cp_size: int
+    bucket_size: int
+    global_batch_size: int
+    total_steps: int
+    prefetch: int
+    seed: int = 0
+    static_cp_micro_batch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1 or self.global_batch_size < self.dp_size or self.prefetch < 1:
+            raise ValueError(f"invalid planner settings: {self}")
+
+
+class PlannerError(RuntimeError):
+    """The planner could not produce a step (data ran out, or no valid plan); workers re-raise it."""
+
+
+@ray.remote(num_cpus=0, max_concurrency=256)
+class PlannerActor:
+    """Plans global batches ahead of training and hands each rank its payload (see module docstring)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        settings: PlannerSettings,
+        cost: CostModel,
+        start: Cursor | None = None,
+        first_step: int = 1,
+    ) -> None:
+        self._dataset = dataset
+        self._settings = settings
+        self._cost = cost
+        self._start = start or Cursor(epoch=0, rows=0)
+        self._first_step = first_step
+        self._ready: dict[int, dict[tuple[int, int], ray.ObjectRef]] = {}
+        self._fetched: dict[int, set[tuple[int, int]]] = {}
+        self._consumed = first_step - 1  # highest step every rank has fetched
+        self._planned = first_step - 1
+        self._error: BaseException | None = None
+        self._plan_ms: list[float] = []
+        self._status_counts: dict[str, int] = {}
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name="skrull-planner", daemon=True).start()
+
+    # ---------------------------------------------------------------------------------------- workers
+    def payload(self, step: int, dp_rank: int, cp_rank: int) -> list[ray.ObjectRef]:
+        """Block until `step` is planned; return [ref] of this rank's RankPayload (a list keeps it a ref)."""
+        with self._cond:
+            self._cond.wait_for(lambda: step <= self._planned or self._error is not None)
+            if step > self._planned:
+                raise PlannerError(f"planner failed before step {step}: {self._error}") from self._error
+            ref = self._ready[step][dp_rank, cp_rank]
+            fetched = self._fetched.setdefault(step, set())
+            fetched.add((dp_rank, cp_rank))
+            if len(fetched) == self._settings.dp_size * self._settings.cp_size:
+                # Every rank holds its ref now; dropping ours lets the object store free the step.
+                del self._ready[step], self._fetched[step]
+                self._consumed = max(self._consumed, step)
+                self._cond.notify_all()
+            return [ref]
+
+    def stats(self) -> dict[str, Any]:
+        """Planning time, how far ahead the planner is, and the data rows seen by status."""
+        with self._cond:
+            plan_ms = np.asarray(self._plan_ms or [0.0])
+            return {
+                "planned_step": self._planned,
+                "consumed_step": self._consumed,
+                "ahead_steps": self._planned - self._consumed,
+                "plan_ms_median": float(np.median(plan_ms)),
+                "plan_ms_max": float(plan_ms.max()),
+                "rows_by_status": dict(self._status_counts),
+                "error": None if self._error is None else repr(self._error),
+            }
+
+    # ---------------------------------------------------------------------------------------- planning
+    def _run(self) -> None:
+        try:
+            self._plan_all()
+        except BaseException as err:  # surfaced to every waiting worker by payload()
+            with self._cond:
+                self._error = err
+                self._cond.notify_all()
+
+    def _plan_all(self) -> None:
+        s = self._settings
+        last_step = self._first_step + s.total_steps - 1
+        batch: list[Sample] = []
+        step = self._first_step
+        for epoch, position, row in self._usable_rows():
+            ids = np.asarray(row["input_ids"], dtype=np.int64)
+            batch.append(Sample(sample_id=position, input_ids=ids,
+                                labels=np.asarray(row["labels"], dtype=np.int64)))
+            if len(batch) < s.global_batch_size:
+                continue
+            self._publish(step, epoch, batch, Cursor(epoch=epoch, rows=position + 1))
+            batch = []
+            if step == last_step:
+                return
+            step += 1
+
+    def _usable_rows(self) -> Iterator[tuple[int, int, dict[str, Any]]]:
+        """(epoch, position within epoch, row) of usable rows from the cursor on, cycling epochs.
+
+        `train.steps` decides when to stop, so the stream repeats the data as often as needed; an epoch
+        without a single usable row would repeat forever, so it is an error instead.
+        """
+        epoch = self._start.epoch
+        skip = self._start.rows
+        while True:
+            usable = 0
+            for position, row in enumerate(self._dataset.iter_rows()):
+                if position < skip:
+                    continue
+                status = str(row.get("status", "ok"))
+                with self._cond:
+                    self._status_counts[status] = self._status_counts.get(status, 0) + 1
+                if status in USABLE_STATUSES:
+                    usable += 1
+                    yield epoch, position, row
+            if usable == 0 and skip == 0:
+                raise PlannerError(
+                    f"epoch {epoch} of the dataset has no usable row (rows by status: "
+                    f"{self._status_counts}); check data.path / data.source and data.too_long"
+                )
+            epoch += 1
+            skip = 0
+
+    def _publish(self, step: int, epoch: int, batch: list[Sample], cursor: Cursor) -> None:
+        s = self._settings
+        started = time.perf_counter()
+        step_plan = plan_step(
+            s.policy, [sample.num_tokens for sample in batch], dp_size=s.dp_size, cp_size=s.cp_size,
+            bucket_size=s.bucket_size, cost=self._cost, seed=s.seed + step,
+            static_cp_micro_batch=s.static_cp_micro_batch,
+        )
+        plan_ms = (time.perf_counter() - started) * 1e3
+        payloads = build_rank_payloads(step_plan, batch, step=step, epoch=epoch, cursor=cursor,
+                                       plan_ms=plan_ms)
+        refs = {rank: ray.put(payload) for rank, payload in payloads.items()}
+        with self._cond:
+            self._plan_ms.append(plan_ms)
+            self._ready[step] = refs
+            self._planned = step
+            self._cond.notify_all()
+            # Stay at most `prefetch` steps ahead of the slowest rank.
+            self._cond.wait_for(lambda: self._planned - self._consumed < s.prefetch)
+
+
+def fetch_payload(planner: Any, step: int, dp_rank: int, cp_rank: int) -> RankPayload:
+    """Worker side: wait for this rank's payload of `step` and pull it from the object store."""
+    (ref,) = ray.get(planner.payload.remote(step, dp_rank, cp_rank))
+    return ray.get(ref)

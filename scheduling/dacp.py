@@ -1,0 +1,170 @@
+"""DACP, the paper's Algorithm 1: which sequences of one micro-batch stay local, which are sharded.
+
+State per CP rank j: RB[j] = remaining bucket (tokens), L[j] = load (FLOPs). Sequences are visited in
+ascending length order (ties by index, so plans are deterministic):
+
+    a. t = argmin(L);  RB[t] >= S        -> local on t          (balance compute first)
+    b. t = argmax(RB); RB[t] >= S        -> local on t          (else the rank with most room)
+    c. t = argmin(RB); RB[t] >= ceil(S/N) -> distributed:        every rank RB -= ceil(S/N), L += F(S)/N
+    d. roll back on t = argmin(RB): its shortest local sequence s becomes distributed, then retry S.
+
+The roll-back is the *consistent* one (DESIGN.md section 3), not the paper's printed one: rank t keeps
+only a shard of s, every other rank is charged the new shard:
+
+    RB[t] += S_s - ceil(S_s/N)        L[t] += F(S_s)/N - F(S_s)
+    RB[j] -= ceil(S_s/N)   (j != t)   L[j] += F(S_s)/N
+
+It is taken only if every other rank can hold that shard, so RB >= 0 holds after every step. Each
+roll-back removes one local sequence, so the loop ends; if rank t has no local sequence (or its shortest
+cannot be sharded) DACP fails for this micro-batch and GDS re-splits (plan_dacp raises SchedulingError).
+
+After the loop, when a cost model is given, `scheduling.refine` improves the placement against the DACP
+objective (move / shard sequences of the most loaded rank while the modeled time drops): an extension
+beyond the paper, see that module. `refine=False` is the paper's Algorithm 1 alone.
+
+`placement="roundrobin"` is the paper's Appendix B.2 ablation: skip step a (ignore compute, place each
+sequence on the rank with the most remaining memory), roll-back unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from scheduling.cost import CostModel
+from scheduling.plans import DacpPlan, SchedulingError, shard_tokens
+from scheduling.refine import refine as refine_placement
+
+PLACEMENTS = ("greedy", "roundrobin")
+
+
+@dataclass(slots=True)
+class DacpState:
+    """Mutable working state of Algorithm 1 (exposed to `on_step` observers, e.g. invariant tests)."""
+
+    remaining: list[int]
+    """RB[j]: tokens rank j can still take."""
+    load: list[float]
+    """L[j]: forward FLOPs assigned to rank j."""
+    local: list[list[int]]
+    distributed: list[int]
+    rollbacks: int = 0
+
+
+def _argmin(values: list) -> int:
+    return values.index(min(values))  # first minimum: deterministic ties, C speed
+
+
+def _argmax(values: list) -> int:
+    return values.index(max(values))
+
+
+def _place_local(state: DacpState, rank: int, index: int, length: int, flops: float) -> None:
+    state.remaining[rank] -= length
+    state.load[rank] += flops
+    state.local[rank].append(index)
+
+
+def _distribute(state: DacpState, index: int, shard: int, shard_flops: float) -> None:
+    for j in range(len(state.remaining)):
+        state.remaining[j] -= shard
+        state.load[j] += shard_flops
+    state.distributed.append(index)
+
+
+def _roll_back(state: DacpState, rank: int, lengths: Sequence[int], flops: Sequence[float]) -> bool:
+    """Turn rank's shortest local sequence into a distributed one; False if that is impossible."""
+    if not state.local[rank]:
+        return False
+    cp_size = len(state.remaining)
+    victim = min(state.local[rank], key=lambda i: (lengths[i], i))
+    length = int(lengths[victim])
+    shard = shard_tokens(length, cp_size)
+    if any(state.remaining[j] < shard for j in range(cp_size) if j != rank):
+        return False
+    state.local[rank].remove(victim)
+    state.remaining[rank] += length
+    state.load[rank] -= flops[victim]
+    _distribute(state, victim, shard, flops[victim] / cp_size)
+    state.rollbacks += 1
+    return True
+
+
+def dacp_assign(order: Sequence[int], lengths: Sequence[int], flops: Sequence[float], *, cp_size: int,
+                bucket_size: int, placement: str = "greedy", cost: CostModel | None = None,
+                on_step: Callable[[DacpState], None] | None = None) -> DacpState | None:
+    """Run Algorithm 1 on `order` (indices, ascending by length); None when DACP fails.
+
+    With `cost`, the result is then refined against the modeled micro-batch time.
+    """
+    state = DacpState(remaining=[bucket_size] * cp_size, load=[0.0] * cp_size,
+                      local=[[] for _ in range(cp_size)], distributed=[])
+    greedy = placement == "greedy"
+    for index in order:
+        length = int(lengths[index])
+        shard = shard_tokens(length, cp_size)
+        while True:
+            t = _argmin(state.load) if greedy else -1
+            if t < 0 or state.remaining[t] < length:
+                t = _argmax(state.remaining)
+            if state.remaining[t] >= length:
+                _place_local(state, t, index, length, flops[index])
+                break
+            t = _argmin(state.remaining)
+            if state.remaining[t] >= shard:
+                _distribute(state, index, shard, flops[index] / cp_size)
+                break
+            if not _roll_back(state, t, lengths, flops):
+                return None
+            if on_step is not None:
+                on_step(state)
+        if on_step is not None:
+            on_step(state)
+    if cost is not None:
+        refine_placement(state, lengths, flops, cost)
+        if on_step is not None:
+            on_step(state)
+    return state
+
+
+def check_fits(lengths: Sequence[int], cp_size: int, bucket_size: int) -> None:
+    """SchedulingError naming the knobs when a sequence can never fit one CP group (S > C*N)."""
+    if cp_size < 1:
+        raise SchedulingError(f"parallel.cp_size must be >= 1, got {cp_size}")
+    if bucket_size < 1:
+        raise SchedulingError(f"scheduling.bucket_size must be >= 1, got {bucket_size}")
+    longest = max((int(s) for s in lengths), default=0)
+    if longest > bucket_size * cp_size:
+        raise SchedulingError(
+            f"a sequence of {longest} tokens exceeds scheduling.bucket_size * parallel.cp_size = "
+            f"{bucket_size} * {cp_size} = {bucket_size * cp_size}: raise scheduling.bucket_size or "
+            "parallel.cp_size, or cap data.max_length with data.too_long=truncate|drop"
+        )
+    if any(int(s) < 1 for s in lengths):
+        raise SchedulingError("every sequence needs >= 1 token (check the tokenizer / data source)")
+
+
+def state_to_plan(state: DacpState) -> DacpPlan:
+    return DacpPlan(local=tuple(tuple(r) for r in state.local), distributed=tuple(state.distributed))
+
+
+def plan_dacp(lengths: Sequence[int], *, cp_size: int, bucket_size: int, cost: CostModel,
+              indices: Sequence[int] | None = None, placement: str = "greedy", refine: bool = True,
+              on_step: Callable[[DacpState], None] | None = None) -> DacpPlan:
+    """Plan one micro-batch (all of `lengths`, or the subset `indices`) over `cp_size` CP ranks."""
+    if placement not in PLACEMENTS:
+        raise SchedulingError(f"DACP placement {placement!r} is not one of {PLACEMENTS}")
+    chosen = range(len(lengths)) if indices is None else indices
+    check_fits([lengths[i] for i in chosen], cp_size, bucket_size)
+    order = sorted(chosen, key=lambda i: (int(lengths[i]), i))
+    flops = [cost.flops(float(s)) for s in lengths]
+    state = dacp_assign(order, lengths, flops, cp_size=cp_size, bucket_size=bucket_size,
+                        placement=placement, cost=cost if refine else None, on_step=on_step)
+    if state is None:
+        total = sum(int(lengths[i]) for i in order)
+        raise SchedulingError(
+            f"DACP found no placement for a micro-batch of {len(order)} sequences / {total} tokens within "
+            f"scheduling.bucket_size={bucket_size} per rank over parallel.cp_size={cp_size}: split the "
+            "micro-batch (plan_gds does) or raise scheduling.bucket_size"
+        )
+    return state_to_plan(state)

@@ -1,0 +1,128 @@
+"""What one (dp, cp) rank receives for one optimizer step: its micro-batches' plans and token ids.
+
+A global batch of K samples is planned once (a `StepPlan` over logical ranks). For every DP rank d and CP
+rank r, the rank's payload carries, per micro-batch, the DACP plan of that micro-batch and the token ids of
+only the sequences rank r needs: its own local sequences (whole) plus every distributed sequence (the worker
+cuts its shards). Sequences local to the other CP ranks are not shipped.
+
+    global batch  [s0 s1 s2 s3 s4 s5 s6 s7]            (indices into the batch)
+    DP rank 0, micro-batch 0:  local=((s0, s5), (s2,))   distributed=(s7,)
+        payload (dp=0, cp=0): ids of s0, s5, s7          payload (dp=0, cp=1): ids of s2, s7
+
+Pure: numpy only, so it is tested without Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from scheduling import DacpPlan, StepPlan
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """One tokenized training sequence; labels follow the HF convention (unshifted, -100 = no loss)."""
+
+    sample_id: int
+    input_ids: np.ndarray
+    labels: np.ndarray
+
+    def __post_init__(self) -> None:
+        if len(self.input_ids) != len(self.labels) or len(self.input_ids) == 0:
+            raise ValueError(f"sample {self.sample_id}: input_ids and labels must be equal and non-empty")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Tokens that are a next-token target: labels shifted by one, as the loss sees them."""
+        return int(np.count_nonzero(self.labels[1:] != IGNORE_INDEX))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cursor:
+    """Position in the deterministic data stream: `rows` rows of epoch `epoch` have been consumed."""
+
+    epoch: int
+    rows: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MicroBatchPayload:
+    """One micro-batch for one CP rank; `plan` indices are keys of `input_ids` / `labels`."""
+
+    plan: DacpPlan
+    input_ids: dict[int, np.ndarray]
+    labels: dict[int, np.ndarray]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids in self.input_ids.values())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankPayload:
+    """Everything a (dp_rank, cp_rank) worker needs for one optimizer step."""
+
+    step: int
+    epoch: int
+    dp_rank: int
+    cp_rank: int
+    micro_batches: tuple[MicroBatchPayload, ...]
+    global_label_tokens: int
+    """Label tokens of the whole global batch: every rank divides its loss sum by this."""
+    global_tokens: int
+    sample_ids_by_dp_rank: tuple[tuple[int, ...], ...]
+    """For the run's samples.jsonl audit log: which samples each DP rank trained on this step."""
+    cursor: Cursor
+    """Data position after this step: a checkpoint taken after it resumes from here."""
+    plan_ms: float
+
+
+def _sequences_needed(plan: DacpPlan, cp_rank: int) -> tuple[int, ...]:
+    return tuple(plan.local[cp_rank]) + tuple(plan.distributed)
+
+
+def build_rank_payloads(
+    step_plan: StepPlan,
+    samples: Sequence[Sample],
+    *,
+    step: int,
+    epoch: int,
+    cursor: Cursor,
+    plan_ms: float,
+) -> dict[tuple[int, int], RankPayload]:
+    """Split one planned global batch into per-(dp_rank, cp_rank) payloads."""
+    label_tokens = sum(sample.num_label_tokens for sample in samples)
+    tokens = sum(sample.num_tokens for sample in samples)
+    sample_ids = tuple(
+        tuple(samples[i].sample_id for mb in per_dp for i in mb.indices)
+        for per_dp in step_plan.micro_batches
+    )
+    payloads: dict[tuple[int, int], RankPayload] = {}
+    for dp_rank, per_dp in enumerate(step_plan.micro_batches):
+        for cp_rank in range(step_plan.cp_size):
+            micro_batches = tuple(
+                MicroBatchPayload(
+                    plan=mb,
+                    input_ids={i: samples[i].input_ids for i in _sequences_needed(mb, cp_rank)},
+                    labels={i: samples[i].labels for i in _sequences_needed(mb, cp_rank)},
+                )
+                for mb in per_dp
+            )
+            payloads[dp_rank, cp_rank] = RankPayload(
+                step=step, epoch=epoch, dp_rank=dp_rank, cp_rank=cp_rank, micro_batches=micro_batches,
+                global_label_tokens=label_tokens, global_tokens=tokens,
+                sample_ids_by_dp_rank=sample_ids, cursor=cursor, plan_ms=plan_ms,
+            )
+    return payloads

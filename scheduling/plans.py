@@ -1,0 +1,149 @@
+"""Plan dataclasses: what the scheduler hands to the workers, over *logical* ranks.
+
+A step plan for DP=2 x CP=3 with two micro-batches per DP rank (indices refer to the global batch):
+
+    StepPlan.micro_batches
+    ├── dp 0: ( DacpPlan(local=((4,), (0, 7), (2,)), distributed=(9,)),      micro-batch 0
+    │           DacpPlan(local=((1,), (3,), ()),      distributed=()) )      micro-batch 1
+    └── dp 1: ( DacpPlan(local=((5, 6), (), (8,)),   distributed=()),        micro-batch 0
+                DacpPlan(local=((), (), ()),          distributed=(10,)) )   micro-batch 1
+
+CP rank r of a DacpPlan holds its `local[r]` sequences whole, then a 1/N shard of every sequence in
+`distributed`. Memory is counted the way the workers lay tokens out: a local sequence costs S tokens on its
+rank, a distributed one ceil(S / N) tokens on every rank. A DacpPlan may be empty (no sequences at all): the
+policies use that only to give every DP rank the same number of micro-batches (ZeRO-2 needs equal backward
+counts per step), and the worker runs it as a zero-loss micro-batch.
+
+Plans are frozen, slotted and keyword-only; they pickle, and `to_dict()` / `from_dict()` give plain JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class SchedulingError(ValueError):
+    """No valid plan exists for the given input; the message names the config knob to change."""
+
+
+def shard_tokens(length: int, cp_size: int) -> int:
+    """Tokens one CP rank holds of a sequence sharded over `cp_size` ranks: ceil(S / N)."""
+    return -(-length // cp_size)
+
+
+def _index_tuple(values: Sequence[int], what: str) -> tuple[int, ...]:
+    out = tuple(int(v) for v in values)
+    if any(v < 0 for v in out):
+        raise ValueError(f"{what}: indices must be >= 0, got {out}")
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DacpPlan:
+    """One micro-batch of one CP group: per CP rank its local sequences, plus the distributed ones."""
+
+    local: tuple[tuple[int, ...], ...]
+    """local[r]: indices of sequences kept whole on CP rank r (len(local) == cp_size)."""
+    distributed: tuple[int, ...] = ()
+    """Indices of sequences sharded over all CP ranks (balanced causal shards)."""
+
+    def __post_init__(self) -> None:
+        local = tuple(_index_tuple(rank, "DacpPlan.local") for rank in self.local)
+        distributed = _index_tuple(self.distributed, "DacpPlan.distributed")
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "distributed", distributed)
+        if not local:
+            raise ValueError("DacpPlan.local needs one tuple per CP rank (cp_size >= 1)")
+        flat = [i for rank in local for i in rank] + list(distributed)
+        if len(flat) != len(set(flat)):
+            raise ValueError(f"DacpPlan schedules an index twice: {sorted(flat)}")
+
+    @property
+    def cp_size(self) -> int:
+        return len(self.local)
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        """Every index of the micro-batch: local ones rank by rank, then the distributed ones."""
+        return tuple(i for rank in self.local for i in rank) + self.distributed
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.distributed and not any(self.local)
+
+    def rank_tokens(self, lengths: Sequence[int]) -> tuple[int, ...]:
+        """Tokens each CP rank holds: its local sequences plus ceil(S/N) of every distributed one."""
+        shards = sum(shard_tokens(int(lengths[i]), self.cp_size) for i in self.distributed)
+        return tuple(sum(int(lengths[i]) for i in rank) + shards for rank in self.local)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"local": [list(rank) for rank in self.local], "distributed": list(self.distributed)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DacpPlan:
+        return cls(local=tuple(tuple(r) for r in data["local"]), distributed=tuple(data["distributed"]))
+
+    @classmethod
+    def empty(cls, cp_size: int) -> DacpPlan:
+        return cls(local=((),) * cp_size, distributed=())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPlan:
+    """One global batch: per DP rank, an equal-length tuple of micro-batches (DacpPlans)."""
+
+    micro_batches: tuple[tuple[DacpPlan, ...], ...]
+
+    def __post_init__(self) -> None:
+        batches = tuple(tuple(rank) for rank in self.micro_batches)
+        object.__setattr__(self, "micro_batches", batches)
+        if not batches or not batches[0]:
+            raise ValueError("StepPlan needs >= 1 DP rank with >= 1 micro-batch")
+        if len({len(rank) for rank in batches}) != 1:
+            counts = [len(rank) for rank in batches]
+            raise ValueError(f"StepPlan: DP ranks must have equal micro-batch counts (ZeRO-2), got {counts}")
+        if len({mb.cp_size for rank in batches for mb in rank}) != 1:
+            raise ValueError("StepPlan: every micro-batch must have the same cp_size")
+        flat = self.indices
+        if len(flat) != len(set(flat)):
+            raise ValueError("StepPlan schedules an index twice")
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def cp_size(self) -> int:
+        return self.micro_batches[0][0].cp_size
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches[0])
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(i for rank in self.micro_batches for mb in rank for i in mb.indices)
+
+    def check(self, lengths: Sequence[int], bucket_size: int) -> None:
+        """Raise SchedulingError unless every index of `lengths` appears once and every rank fits C."""
+        if sorted(self.indices) != list(range(len(lengths))):
+            raise SchedulingError("plan does not schedule every sequence of the global batch exactly once")
+        for dp, rank in enumerate(self.micro_batches):
+            for m, mb in enumerate(rank):
+                worst = max(mb.rank_tokens(lengths))
+                if worst > bucket_size:
+                    raise SchedulingError(
+                        f"dp rank {dp} micro-batch {m} holds {worst} tokens on one CP rank > "
+                        f"scheduling.bucket_size={bucket_size}"
+                    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_batches": [[mb.to_dict() for mb in rank] for rank in self.micro_batches]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepPlan:
+        return cls(micro_batches=tuple(
+            tuple(DacpPlan.from_dict(mb) for mb in rank) for rank in data["micro_batches"]
+        ))

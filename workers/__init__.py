@@ -1,0 +1,1 @@
+"""Ray Train worker side: batch assembly, DACP attention, models, loss, distributed groups."""

@@ -1,0 +1,111 @@
+"""DACP attention: local sequences by varlen attention, distributed shards by the ring, overlapped.
+
+    stream  [ local part (L tokens) | distributed part (2 * sum c_i tokens) ]
+    forward : post K/V transfer #1 -> local attention (no comm) -> diagonal block -> ring steps
+    backward: post K/V transfer #1 -> local backward            -> diagonal block -> ring steps
+
+The local and distributed parts share no keys, so the local attention is the work that hides the
+first ring transfer (DESIGN.md 6b). `overlap=False` runs the same work serialized (local first, then
+the ring posts its first transfer), which only the benchmark uses as a comparison.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from workers.attention.comm import RingComm
+from workers.attention.kernels import VarlenKernel, kernel_for
+from workers.attention.layout import DacpLayout
+from workers.attention.ring import ring_backward, ring_forward
+
+_COMMS: dict[int, RingComm] = {}
+
+
+def _comm_for(group: dist.ProcessGroup | None) -> RingComm | None:
+    """One RingComm per group (it owns the CUDA comm stream); None when there is no CP."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    comm = _COMMS.get(id(group))
+    if comm is None or comm.group is not group:
+        comm = _COMMS[id(group)] = RingComm(group)
+    return comm
+
+
+def _check(comm: RingComm | None, layout: DacpLayout, num_tokens: int) -> None:
+    size = comm.size if comm is not None else 1
+    if layout.cp_size != size:
+        raise ValueError(f"batch built for cp_size={layout.cp_size} but the CP group has {size} ranks")
+    if layout.num_tokens != num_tokens:
+        raise ValueError(f"layout describes {layout.num_tokens} tokens but the stream has {num_tokens}")
+
+
+class _DacpAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_THD, k_KGD, v_KGD, layout, comm, scale, kernel, overlap):
+        num_local = layout.num_local_tokens
+        parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def local() -> None:
+            parts["local"] = kernel.forward(q_THD[:num_local], k_KGD[:num_local], v_KGD[:num_local],
+                                            layout.cu_local, layout.cu_local, causal=True, scale=scale)
+
+        has_dist = layout.num_dist_tokens > 0
+        if not (overlap and has_dist):
+            local()
+        if has_dist:
+            d = slice(num_local, None)
+            parts["dist"] = ring_forward(kernel, q_THD[d], k_KGD[d], v_KGD[d], layout, comm, scale,
+                                         overlap=local if overlap else None)
+        out_THD = torch.cat([parts["local"][0], *([parts["dist"][0]] if has_dist else [])])
+        lse_HT = torch.cat([parts["local"][1], *([parts["dist"][1]] if has_dist else [])], dim=1)
+        ctx.save_for_backward(q_THD, k_KGD, v_KGD, out_THD, lse_HT)
+        ctx.setup = (layout, comm, scale, kernel, overlap)
+        ctx.mark_non_differentiable(lse_HT)
+        return out_THD, lse_HT
+
+    @staticmethod
+    def backward(ctx, dout_THD, _dlse):
+        q_THD, k_KGD, v_KGD, out_THD, lse_HT = ctx.saved_tensors
+        layout, comm, scale, kernel, overlap = ctx.setup
+        num_local = layout.num_local_tokens
+        dout_THD = dout_THD.contiguous()
+        grads: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        loc = slice(0, num_local)
+
+        def local() -> None:
+            grads["local"] = kernel.backward(dout_THD[loc], q_THD[loc], k_KGD[loc], v_KGD[loc], out_THD[loc],
+                                             lse_HT[:, loc], layout.cu_local, layout.cu_local,
+                                             causal=True, scale=scale)
+
+        has_dist = layout.num_dist_tokens > 0
+        if not (overlap and has_dist):
+            local()
+        if has_dist:
+            d = slice(num_local, None)
+            grads["dist"] = ring_backward(kernel, dout_THD[d], q_THD[d], k_KGD[d], v_KGD[d], out_THD[d],
+                                          lse_HT[:, d], layout, comm, scale,
+                                          overlap=local if overlap else None)
+        names = ["local", "dist"] if has_dist else ["local"]
+        dq, dk, dv = (torch.cat([grads[n][i] for n in names]) for i in range(3))
+        return dq, dk, dv, None, None, None, None, None
+
+
+def dacp_attention(
+    q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor, layout: DacpLayout,
+    group: dist.ProcessGroup | None = None, *, scale: float | None = None, backend: str = "auto",
+    overlap: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of one CP rank's packed DACP stream; returns (out [T,H,D], lse [H,T] fp32).
+
+    q [T, H, D]; k, v [T, G, D] with H % G == 0. `group` is the CP group (None or size 1: no CP).
+    Differentiable in q, k, v (lse is not). Every rank of the group must call it with layouts built
+    from the same plan (the distributed part has the same shape on all ranks).
+    """
+    if q_THD.shape[1] % k_KGD.shape[1]:
+        raise ValueError(f"query heads {q_THD.shape[1]} not divisible by key/value heads {k_KGD.shape[1]}")
+    comm = _comm_for(group)
+    _check(comm, layout, q_THD.shape[0])
+    kernel: VarlenKernel = kernel_for(q_THD.device, backend)
+    scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
+    return _DacpAttention.apply(q_THD, k_KGD, v_KGD, layout, comm, scale, kernel, overlap)

@@ -1,0 +1,164 @@
+"""Varlen attention kernels behind one small interface, chosen by a string.
+
+Legend (shapes in names): T = packed query tokens, K = packed key tokens, H = query heads,
+G = key/value heads (H % G == 0: GQA when G < H), D = head dim, B1 = number of segments + 1.
+
+    q_THD  = [ seq0 tokens | seq1 tokens | ... ]      cu_q_B1 = [0, len_q0, len_q0 + len_q1, ...]
+    k_KGD  = [ seq0 keys   | seq1 keys   | ... ]      cu_k_B1 = [0, len_k0, ...]
+
+Segment i's queries attend only to segment i's keys. `causal=True` requires len_q_i == len_k_i (the
+only causal shape the ring ever needs: a diagonal block). Each kernel returns the output and the
+natural-log log-sum-exp of the scaled scores, lse_HT in fp32, which the ring merges across blocks.
+`backward` takes the *final* (merged) out and lse, as flash-attention's backward does, so a block's
+gradient is exact even though its own softmax was only a partial one.
+
+Backends:
+- "torch" (CPU): one call of aten's flash-attention-for-CPU op per segment (O(len^2) per segment,
+  never a dense T x T mask over the packed stream). GQA is expanded per segment inside the kernel
+  only; what travels over the ring stays G-headed.
+- "flash" (CUDA): flash-attn 2 varlen forward/backward, imported lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+Cu = Sequence[int]
+
+
+class VarlenKernel(Protocol):
+    def forward(
+        self, q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,
+        cu_q: Cu, cu_k: Cu, *, causal: bool, scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(
+        self, dout_THD: torch.Tensor, q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,
+        out_THD: torch.Tensor, lse_HT: torch.Tensor, cu_q: Cu, cu_k: Cu, *, causal: bool, scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def _segments(cu_q: Cu, cu_k: Cu, causal: bool) -> list[tuple[int, int, int, int]]:
+    """Non-empty (q_start, q_end, k_start, k_end) pairs; empty key segments contribute nothing."""
+    if len(cu_q) != len(cu_k):
+        raise AssertionError(f"cu_q has {len(cu_q)} entries, cu_k {len(cu_k)}")
+    spans = []
+    for i in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
+        if causal and q1 - q0 != k1 - k0:
+            raise AssertionError("causal varlen blocks must be square")
+        if q1 > q0 and k1 > k0:
+            spans.append((q0, q1, k0, k1))
+    return spans
+
+
+def _to_bhsd(x_SHD: torch.Tensor, heads: int) -> torch.Tensor:
+    """[S, G, D] -> [1, H, S, D], repeating each KV head H/G times (GQA) for the aten op."""
+    rep = heads // x_SHD.shape[1]
+    x = x_SHD.transpose(0, 1)
+    if rep > 1:
+        x = x.repeat_interleave(rep, dim=0)
+    return x.unsqueeze(0)
+
+
+class TorchCpuKernel:
+    """aten._scaled_dot_product_flash_attention_for_cpu per segment (returns lse; ~5e-7 fp32 error)."""
+
+    def forward(self, q_THD, k_KGD, v_KGD, cu_q, cu_k, *, causal, scale):
+        num_t, heads, _ = q_THD.shape
+        out_THD = torch.zeros_like(q_THD)
+        # Rows that see no key keep lse = -inf so a log-sum-exp merge ignores them (the aten op
+        # would report 0 there: STACK_NOTES' lse=0 trap).
+        lse_HT = torch.full((heads, num_t), float("-inf"), dtype=torch.float32, device=q_THD.device)
+        for q0, q1, k0, k1 in _segments(cu_q, cu_k, causal):
+            q = q_THD[q0:q1].transpose(0, 1).unsqueeze(0)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, _to_bhsd(k_KGD[k0:k1], heads), _to_bhsd(v_KGD[k0:k1], heads),
+                0.0, causal, scale=scale,
+            )[:2]
+            out_THD[q0:q1] = out[0].transpose(0, 1)
+            lse_HT[:, q0:q1] = lse[0]
+        return out_THD, lse_HT
+
+    def backward(self, dout_THD, q_THD, k_KGD, v_KGD, out_THD, lse_HT, cu_q, cu_k, *, causal, scale):
+        heads, groups = q_THD.shape[1], k_KGD.shape[1]
+        dq_THD = torch.zeros_like(q_THD)
+        dk_KGD = torch.zeros_like(k_KGD)
+        dv_KGD = torch.zeros_like(v_KGD)
+        for q0, q1, k0, k1 in _segments(cu_q, cu_k, causal):
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout_THD[q0:q1].transpose(0, 1).unsqueeze(0).contiguous(),
+                q_THD[q0:q1].transpose(0, 1).unsqueeze(0),
+                _to_bhsd(k_KGD[k0:k1], heads), _to_bhsd(v_KGD[k0:k1], heads),
+                out_THD[q0:q1].transpose(0, 1).unsqueeze(0).contiguous(),
+                lse_HT[:, q0:q1].unsqueeze(0).contiguous(),
+                0.0, causal, scale=scale,
+            )
+            dq_THD[q0:q1] = dq[0].transpose(0, 1)
+            # Fold the repeated heads back onto their KV head: [H, S, D] -> [G, H/G, S, D] -> sum.
+            n = k1 - k0
+            dk_KGD[k0:k1] = dk[0].view(groups, heads // groups, n, -1).sum(1).transpose(0, 1)
+            dv_KGD[k0:k1] = dv[0].view(groups, heads // groups, n, -1).sum(1).transpose(0, 1)
+        return dq_THD, dk_KGD, dv_KGD
+
+
+class FlashAttnKernel:
+    """flash-attn 2 varlen (CUDA). lse_HT is flash-attn's softmax_lse layout [H, total_q], fp32."""
+
+    def __init__(self) -> None:
+        try:
+            from flash_attn import flash_attn_interface as fai
+        except ImportError as err:
+            raise ImportError(
+                "the 'flash' attention backend needs flash-attn on a CUDA machine: "
+                "pip install 'skrull-on-ray[gpu]' (or use the 'torch' backend on CPU)"
+            ) from err
+        self._fai = fai
+
+    @staticmethod
+    def _cu(cu: Cu, device: torch.device) -> tuple[torch.Tensor, int]:
+        cu_t = torch.tensor(list(cu), dtype=torch.int32, device=device)
+        max_len = max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=0)
+        return cu_t, max_len
+
+    def forward(self, q_THD, k_KGD, v_KGD, cu_q, cu_k, *, causal, scale):
+        if q_THD.shape[0] == 0 or k_KGD.shape[0] == 0:
+            return TorchCpuKernel().forward(q_THD, k_KGD, v_KGD, cu_q, cu_k, causal=causal, scale=scale)
+        cq, mq = self._cu(cu_q, q_THD.device)
+        ck, mk = self._cu(cu_k, q_THD.device)
+        out, lse, _ = self._fai.flash_attn_varlen_func(
+            q_THD, k_KGD, v_KGD, cq, ck, mq, mk, dropout_p=0.0, softmax_scale=scale, causal=causal,
+            return_attn_probs=True,
+        )
+        return out, lse.float()
+
+    def backward(self, dout_THD, q_THD, k_KGD, v_KGD, out_THD, lse_HT, cu_q, cu_k, *, causal, scale):
+        dq, dk, dv = torch.zeros_like(q_THD), torch.zeros_like(k_KGD), torch.zeros_like(v_KGD)
+        if q_THD.shape[0] == 0 or k_KGD.shape[0] == 0:
+            return dq, dk, dv
+        cq, mq = self._cu(cu_q, q_THD.device)
+        ck, mk = self._cu(cu_k, q_THD.device)
+        self._fai._flash_attn_varlen_backward(
+            dout_THD.contiguous(), q_THD, k_KGD, v_KGD, out_THD, lse_HT.contiguous(), dq, dk, dv,
+            cq, ck, mq, mk, 0.0, scale, causal, -1, -1, 0.0, None, False,
+        )
+        return dq, dk, dv
+
+
+_KERNELS: dict[str, type] = {"torch": TorchCpuKernel, "flash": FlashAttnKernel}
+
+
+def get_kernel(name: str) -> VarlenKernel:
+    """Kernel by name: torch | flash | auto (flash on CUDA tensors, torch otherwise)."""
+    if name not in _KERNELS:
+        raise ValueError(f"attention backend {name!r} is not one of: auto, {', '.join(_KERNELS)}")
+    return _KERNELS[name]()
+
+
+def kernel_for(device: torch.device, name: str = "auto") -> VarlenKernel:
+    if name == "auto":
+        name = "flash" if device.type == "cuda" else "torch"
+    return get_kernel(name)

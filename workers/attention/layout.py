@@ -1,0 +1,69 @@
+"""What the DACP attention needs to know about one CP rank's packed token stream.
+
+Stream on CP rank r (N = cp_size, distributed sequence i padded to 2N * c_i tokens, cut into 2N
+chunks of c_i; rank r holds chunks r and 2N-1-r, so causal work is equal on every rank):
+
+    [ local seq a | local seq b | ... | d0: chunk r, chunk 2N-1-r | d1: chunk r, chunk 2N-1-r | ... ]
+    |<------- num_local_tokens ------>|<---------------- num_dist_tokens = 2 * sum(c_i) ------------->|
+
+Local sequences are whole (plain causal varlen attention, no communication). The distributed part has
+the same shape on every rank (same c_i), which is what lets the ring exchange K/V blocks verbatim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DacpLayout:
+    cp_size: int
+    """N, the CP group size the stream was built for (1: no context parallelism)."""
+    local_lens: tuple[int, ...] = ()
+    """Lengths of this rank's whole (local) sequences, in stream order."""
+    dist_chunk_lens: tuple[int, ...] = ()
+    """c_i per distributed sequence: its padded length / (2N); the rank holds 2 * c_i of its tokens."""
+
+    def __post_init__(self) -> None:
+        if self.cp_size < 1:
+            raise ValueError(f"cp_size must be >= 1, got {self.cp_size}")
+        if any(n < 1 for n in self.local_lens) or any(c < 1 for c in self.dist_chunk_lens):
+            raise ValueError("sequence lengths and chunk lengths in a DacpLayout must be >= 1")
+
+    @property
+    def num_local_tokens(self) -> int:
+        return sum(self.local_lens)
+
+    @property
+    def num_dist_tokens(self) -> int:
+        return 2 * sum(self.dist_chunk_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_local_tokens + self.num_dist_tokens
+
+    @property
+    def cu_local(self) -> tuple[int, ...]:
+        return (0, *accumulate(self.local_lens))
+
+    @property
+    def cu_dist(self) -> tuple[int, ...]:
+        """Segment bounds of the distributed part (relative to its start): 2 * c_i per sequence."""
+        return (0, *accumulate(2 * c for c in self.dist_chunk_lens))
+
+    @property
+    def cu_chunk(self) -> tuple[int, ...]:
+        """Segment bounds when only one chunk (c_i tokens) of each distributed sequence is taken."""
+        return (0, *accumulate(self.dist_chunk_lens))
+
+    def half_index(self, second: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Rows of the distributed part holding each sequence's first (or second) chunk."""
+        starts = self.cu_dist[:-1]
+        parts = [
+            torch.arange(s + (c if second else 0), s + (2 * c if second else c), device=device)
+            for s, c in zip(starts, self.dist_chunk_lens, strict=True)
+        ]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)

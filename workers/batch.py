@@ -1,0 +1,128 @@
+"""Build one CP rank's packed token stream from a DACP plan.
+
+For CP rank r of N, a plan with local[r] = (a, b) and distributed = (d,), S_d = 10, N = 2
+(2N = 4 chunks, S_d padded to 12, c = 3; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2):
+
+    rank 0:  [ a a a a | b b | d0 d1 d2 | d9 P P ]      P = pad (token 0, target -100)
+    rank 1:  [ ...its locals... | d3 d4 d5 | d6 d7 d8 ]
+    position_ids: true positions inside each sequence (a: 0..3, b: 0..1, d: 0 1 2 9 10 11 on rank 0),
+    so RoPE is right for shards; pads continue the count past S_d.
+    targets: the HF labels shifted left by one on the WHOLE sequence before it is cut (d2's target is
+    d3's label, held by rank 1), -100 on every sequence's last token and on pads.
+
+`seq_index` / `position_ids` are the inverse mapping: stream token t is token position_ids[t] of the
+caller's sequence seq_index[t] (-1 for pads); tests use it to scatter results back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from workers.attention.layout import DacpLayout
+
+IGNORE_INDEX = -100
+
+
+class PlanLike(Protocol):
+    """What batch assembly needs of a plan (scheduling.DacpPlan satisfies it)."""
+
+    local: tuple[tuple[int, ...], ...]
+    distributed: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankBatch:
+    input_ids: torch.Tensor
+    """[T] int64 token ids of this rank's stream."""
+    position_ids: torch.Tensor
+    """[T] int64 true position of each token inside its sequence."""
+    targets: torch.Tensor
+    """[T] int64 next-token target of each token (-100: no loss)."""
+    seq_index: torch.Tensor
+    """[T] int64 index of each token's sequence in the caller's list (-1: pad)."""
+    layout: DacpLayout
+    num_label_tokens: int
+    """Tokens of this rank with a target (targets != -100)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> RankBatch:
+        return replace(self, input_ids=self.input_ids.to(device), position_ids=self.position_ids.to(device),
+                       targets=self.targets.to(device), seq_index=self.seq_index.to(device))
+
+
+def padded_length(length: int, cp_size: int) -> int:
+    """A distributed sequence is padded to a multiple of 2N (at least 2N: one token per chunk)."""
+    chunks = 2 * cp_size
+    return max(chunks, -(-length // chunks) * chunks)
+
+
+def shifted_targets(labels: np.ndarray) -> np.ndarray:
+    """targets[t] = labels[t + 1] (HF causal-LM convention), -100 for the last token."""
+    out = np.full(labels.shape, IGNORE_INDEX, dtype=np.int64)
+    out[:-1] = labels[1:]
+    return out
+
+
+def _sequence(input_ids: Sequence, labels: Sequence, index: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.asarray(input_ids[index], dtype=np.int64).reshape(-1)
+    lab = np.asarray(labels[index], dtype=np.int64).reshape(-1)
+    if ids.shape != lab.shape:
+        raise ValueError(f"sequence {index}: {ids.size} input_ids but {lab.size} labels (must be equal)")
+    if ids.size == 0:
+        raise ValueError(f"sequence {index} is empty; drop empty samples before planning")
+    return ids, lab
+
+
+def _shard(index: int, ids: np.ndarray, lab: np.ndarray, cp_rank: int, cp_size: int) -> tuple[list, int]:
+    """Rank cp_rank's two zigzag chunks of one distributed sequence, as 4 column arrays."""
+    padded = padded_length(ids.size, cp_size)
+    chunk = padded // (2 * cp_size)
+    full_ids = np.zeros(padded, dtype=np.int64)
+    full_ids[: ids.size] = ids
+    full_tgt = np.full(padded, IGNORE_INDEX, dtype=np.int64)
+    full_tgt[: ids.size] = shifted_targets(lab)
+    full_seq = np.full(padded, -1, dtype=np.int64)
+    full_seq[: ids.size] = index
+    pos = np.arange(padded, dtype=np.int64)
+    take = np.concatenate([pos[cp_rank * chunk:(cp_rank + 1) * chunk],
+                           pos[(2 * cp_size - 1 - cp_rank) * chunk:(2 * cp_size - cp_rank) * chunk]])
+    return [full_ids[take], pos[take], full_tgt[take], full_seq[take]], chunk
+
+
+def build_rank_batch(
+    plan: PlanLike, input_ids: Sequence, labels: Sequence, *, cp_rank: int, cp_size: int
+) -> RankBatch:
+    """This CP rank's stream: its local sequences whole, then its zigzag shards of the distributed ones."""
+    if len(plan.local) != cp_size:
+        raise ValueError(f"plan has {len(plan.local)} CP ranks but cp_size={cp_size} (parallel.cp_size)")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} outside [0, {cp_size})")
+    columns: list[list[np.ndarray]] = [[], [], [], []]
+    local_lens, chunk_lens = [], []
+    for index in plan.local[cp_rank]:
+        ids, lab = _sequence(input_ids, labels, index)
+        parts = [ids, np.arange(ids.size, dtype=np.int64), shifted_targets(lab),
+                 np.full(ids.size, index, dtype=np.int64)]
+        for col, part in zip(columns, parts, strict=True):
+            col.append(part)
+        local_lens.append(ids.size)
+    for index in plan.distributed:
+        ids, lab = _sequence(input_ids, labels, index)
+        parts, chunk = _shard(index, ids, lab, cp_rank, cp_size)
+        for col, part in zip(columns, parts, strict=True):
+            col.append(part)
+        chunk_lens.append(chunk)
+    ids_T, pos_T, tgt_T, seq_T = (
+        torch.from_numpy(np.concatenate(c)) if c else torch.zeros(0, dtype=torch.long) for c in columns
+    )
+    layout = DacpLayout(cp_size=cp_size, local_lens=tuple(local_lens), dist_chunk_lens=tuple(chunk_lens))
+    return RankBatch(input_ids=ids_T, position_ids=pos_T, targets=tgt_T, seq_index=seq_T, layout=layout,
+                     num_label_tokens=int((tgt_T != IGNORE_INDEX).sum()))

@@ -1,0 +1,33 @@
+"""One micro-batch on one CP rank: the model on the packed stream, then the chunked loss sum.
+
+    hidden = decoder(input_ids[1,T], position_ids[1,T], dacp_layout, dacp_group)   # DACP attention
+    loss_sum = sum_t CE(lm_head(hidden[t]), targets[t])                             # chunked, fp32
+
+The caller divides by the global batch's label-token count (DESIGN.md 6b), never per micro-batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from workers.batch import RankBatch
+from workers.loss import linear_cross_entropy_sum
+
+
+def micro_batch_loss_sum(
+    model: torch.nn.Module, batch: RankBatch, *, cp_group: dist.ProcessGroup | None = None,
+    loss_chunk_tokens: int = 4096,
+) -> torch.Tensor:
+    """fp32 sum of token cross-entropies over batch.targets on this rank (differentiable)."""
+    device = model.get_input_embeddings().weight.device
+    batch = batch.to(device)
+    if batch.num_tokens == 0:
+        # Keep the autograd graph connected to the parameters so a backward is still well defined.
+        return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
+    decoder = model.get_decoder()
+    outputs = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                      use_cache=False, dacp_layout=batch.layout, dacp_group=cp_group)
+    hidden_TE = outputs.last_hidden_state[0]
+    return linear_cross_entropy_sum(hidden_TE, model.get_output_embeddings(), batch.targets.to(device),
+                                    loss_chunk_tokens)

@@ -1,0 +1,61 @@
+"""Run a function on N local processes joined in one torch.distributed group (verify, bench, tests).
+
+    results = run_workers(fn, world_size=3, args=(cases,))   # fn(rank, world_size, *args) -> picklable
+
+Each process initializes gloo (CPU) or NCCL (CUDA, one device per rank) over a free localhost port,
+calls `fn`, and writes its return value to a temp file that the parent reads back in rank order. A
+failure in any rank raises in the parent with that rank's traceback (torch.multiprocessing.spawn).
+`fn` must be importable by name (a module-level function) because processes are spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, out_dir: str,
+           args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # Several ranks share a few cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any], world_size: int, args: tuple = (), backend: str | None = None
+) -> list:
+    """Spawn `world_size` processes running fn(rank, world_size, *args); their results in rank order."""
+    import torch
+    import torch.multiprocessing as mp
+
+    backend = backend or default_backend()
+    with tempfile.TemporaryDirectory(prefix="skrull-workers-") as out_dir:
+        mp.spawn(_entry, args=(fn, world_size, free_port(), backend, out_dir, args), nprocs=world_size,
+                 join=True)
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

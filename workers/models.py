@@ -1,0 +1,84 @@
+"""Build the causal LM a run trains, with the DACP attention and no KV cache.
+
+    build_model("tiny-qwen2")                 transformers' Qwen2 architecture, tiny dims, random init
+    build_model("tiny-llama")                 transformers' Llama architecture, tiny dims, random init
+    build_model("Qwen/Qwen2.5-0.5B")          hub weights (or random_init=True: its config, random weights)
+    build_model("/path/to/hf_model_dir")      a local HF model directory
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+from workers.attention import register_dacp_attention
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Tiny presets: small enough for CPU tests (hidden 64, 2 layers), GQA on by default (4 heads, 2 KV heads).
+TINY_DEFAULTS = dict(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=128)
+
+
+def _tiny_config(name: str, dims: dict[str, int]):
+    from transformers import LlamaConfig, Qwen2Config
+
+    merged = {k: (dims.get(k) or v) for k, v in TINY_DEFAULTS.items()}
+    common = dict(
+        vocab_size=merged["vocab_size"], hidden_size=merged["hidden_size"],
+        num_hidden_layers=merged["num_layers"], num_attention_heads=merged["num_attention_heads"],
+        num_key_value_heads=merged["num_key_value_heads"], intermediate_size=merged["intermediate_size"],
+        max_position_embeddings=1 << 17, use_cache=False, tie_word_embeddings=False,
+    )
+    if merged["num_attention_heads"] % merged["num_key_value_heads"]:
+        raise ValueError("model.num_attention_heads must be a multiple of model.num_key_value_heads")
+    return Qwen2Config(**common) if name == "tiny-qwen2" else LlamaConfig(**common)
+
+
+def _is_local_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
+
+
+def build_model(
+    name_or_path: str = "tiny-qwen2", *, random_init: bool = False, dtype: str = "fp32", vocab_size: int = 0,
+    num_attention_heads: int = 0, num_key_value_heads: int = 0, hidden_size: int = 0, num_layers: int = 0,
+    intermediate_size: int = 0, seed: int = 0, attn_implementation: str | None = None,
+):
+    """A transformers PreTrainedModel using the "dacp" attention (or `attn_implementation`), use_cache off.
+
+    Tiny presets always use random init (seeded by `seed`); the dimension arguments (0 = preset default)
+    apply to them only, except vocab_size, which also resizes a random-init hub config.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype={dtype!r} is not one of: {', '.join(DTYPES)}")
+    attn = attn_implementation or register_dacp_attention()
+    torch_dtype = DTYPES[dtype]
+    torch.manual_seed(seed)
+    if name_or_path in ("tiny-qwen2", "tiny-llama"):
+        dims = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                    num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+                    intermediate_size=intermediate_size)
+        config = _tiny_config(name_or_path, dims)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn,
+                                                 dtype=torch_dtype)
+    else:
+        path = os.path.expanduser(name_or_path)
+        if _is_local_path(name_or_path) and not os.path.isdir(path):
+            raise ValueError(f"model.name_or_path={name_or_path!r}: no such model directory")
+        try:
+            if random_init:
+                config = AutoConfig.from_pretrained(path)
+                if vocab_size:
+                    config.vocab_size = vocab_size
+                model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch_dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn,
+                                                             dtype=torch_dtype)
+        except OSError as err:
+            raise ValueError(f"model.name_or_path={name_or_path!r} could not be loaded: {err}") from err
+    model.config.use_cache = False
+    return model

@@ -1,0 +1,160 @@
+"""Parity check: one sharded DACP forward+backward over N CP processes vs the unsharded HF model.
+
+    parent: model (seeded) -> state_dict ; tokens + labels ; DACP plan
+      |-- spawn N ranks (gloo / NCCL): same weights, build_rank_batch, micro_batch_loss_sum / total
+      |   labels, backward -> (loss, grads) per rank
+      '-- reference: the same weights with transformers' own "sdpa" attention, each sequence run
+          separately with labels and num_items_in_batch = total label tokens (HF's summed CE / count)
+    compare: sum over ranks vs reference; loss abs diff, per-parameter max |a - b| and
+    max |a - b| / max |b| (relative to the largest reference entry of that tensor: robust to zeros).
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# fp32: both sides accumulate the same sums in different orders (per-sequence vs packed, ring merges):
+# measured ~1e-7..1e-6 relative, so 1e-5 leaves headroom while catching any real mistake (a leaked
+# token or a missing gradient block moves gradients by >1e-2). bf16: the sharded run computes in bf16
+# (8 mantissa bits, ~4e-3 per rounding, compounded over layers) against an fp32 reference of the
+# same bf16 weights, so 5e-2 relative.
+TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParitySpec:
+    model: str
+    lengths: tuple[int, ...]
+    cp_size: int
+    distribute: str = "auto"
+    dtype: str = "fp32"
+    seed: int = 0
+    model_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.distribute not in ("all", "none", "auto"):
+            raise ValueError(f"--distribute {self.distribute!r} is not one of: all, none, auto")
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError("--lengths needs at least one length, each >= 1")
+        if self.cp_size < 1:
+            raise ValueError("--cp must be >= 1")
+
+
+def make_plan(lengths: tuple[int, ...], cp_size: int, distribute: str, model) -> Any:
+    """all: every sequence sharded; none: greedy longest-first onto the least-loaded rank; auto: plan_dacp."""
+    from scheduling import CostModel, DacpPlan, plan_dacp
+
+    if distribute == "all":
+        return DacpPlan(local=((),) * cp_size, distributed=tuple(range(len(lengths))))
+    if distribute == "none":
+        local: list[list[int]] = [[] for _ in range(cp_size)]
+        load = [0] * cp_size
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            r = load.index(min(load))
+            local[r].append(i)
+            load[r] += lengths[i]
+        return DacpPlan(local=tuple(map(tuple, local)), distributed=())
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cost = CostModel.from_model_dims(hidden_size=cfg.hidden_size, num_layers=cfg.num_hidden_layers,
+                                     kv_hidden_size=cfg.num_key_value_heads * head_dim)
+    # A bucket 25% above an even split: the longest sequences no longer fit whole on one rank, so a
+    # mixed batch gets both local and distributed sequences.
+    bucket = max(math.ceil(1.25 * sum(lengths) / cp_size), math.ceil(max(lengths) / cp_size) + 2)
+    return plan_dacp(list(lengths), cp_size=cp_size, bucket_size=bucket, cost=cost)
+
+
+def make_tokens(spec: ParitySpec, vocab_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Random token ids; labels mask a prompt-like first ~25% of each sequence with -100."""
+    rng = np.random.default_rng(spec.seed)
+    ids, labels = [], []
+    for n in spec.lengths:
+        seq = rng.integers(0, vocab_size, size=n).tolist()
+        lab = list(seq)
+        for t in range(n // 4):
+            lab[t] = -100
+        ids.append(seq)
+        labels.append(lab)
+    return ids, labels
+
+
+def _build(spec: ParitySpec, attn: str | None = None):
+    from workers.models import build_model
+
+    return build_model(spec.model, dtype=spec.dtype, seed=spec.seed, attn_implementation=attn,
+                       **dict(spec.model_kwargs))
+
+
+def _rank(rank: int, world: int, spec: ParitySpec, weights: str, plan, ids, labels, total: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from workers.batch import build_rank_batch
+    from workers.forward import micro_batch_loss_sum
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    model = _build(spec).to(device)
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    group = dist.new_group(list(range(world)))
+    batch = build_rank_batch(plan, ids, labels, cp_rank=rank, cp_size=world)
+    loss = micro_batch_loss_sum(model, batch, cp_group=group) / total
+    loss.backward()
+    grads = {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return {"loss": loss.item(), "grads": grads, "tokens": batch.num_tokens}
+
+
+def _reference(spec: ParitySpec, weights: str, ids, labels, total: int) -> tuple[float, dict]:
+    import torch
+
+    model = _build(spec, attn="sdpa").float()
+    state = torch.load(weights, weights_only=True)
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    loss = torch.zeros(())
+    for seq, lab in zip(ids, labels, strict=True):
+        out = model(input_ids=torch.tensor([seq]), labels=torch.tensor([lab]), use_cache=False,
+                    num_items_in_batch=torch.tensor(total))
+        loss = loss + out.loss
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
+    """Run the check; returns diffs, per-parameter stats, the plan and ok (within TOLERANCE)."""
+    import torch
+
+    from workers.launch import run_workers
+
+    model = _build(spec)
+    ids, labels = make_tokens(spec, model.config.vocab_size)
+    plan = make_plan(spec.lengths, spec.cp_size, spec.distribute, model)
+    total = sum(sum(1 for t in lab[1:] if t != -100) for lab in labels)
+    with tempfile.TemporaryDirectory(prefix="skrull-verify-") as tmp:
+        weights = str(Path(tmp) / "weights.pt")
+        torch.save(model.state_dict(), weights)
+        ranks = run_workers(_rank, spec.cp_size, args=(spec, weights, plan, ids, labels, total),
+                            backend=backend)
+        ref_loss, ref_grads = _reference(spec, weights, ids, labels, total)
+    loss = sum(r["loss"] for r in ranks)
+    params = {}
+    for name, ref in ref_grads.items():
+        ours = sum(r["grads"][name] for r in ranks if name in r["grads"])
+        diff = float((ours - ref).abs().max())
+        params[name] = {"abs": diff, "rel": diff / max(float(ref.abs().max()), 1e-30)}
+    tol = TOLERANCE[spec.dtype]
+    loss_abs = abs(loss - ref_loss)
+    result = {
+        "loss": loss, "ref_loss": ref_loss, "loss_abs_diff": loss_abs,
+        "grad_max_abs_diff": max(p["abs"] for p in params.values()),
+        "grad_max_rel_diff": max(p["rel"] for p in params.values()),
+        "tolerance": tol, "params": params, "plan": plan.to_dict() if hasattr(plan, "to_dict") else None,
+        "rank_tokens": [r["tokens"] for r in ranks],
+    }
+    result["ok"] = bool(loss_abs <= tol * max(1.0, abs(ref_loss)) and result["grad_max_rel_diff"] <= tol
+                        and len(params) == len(list(model.parameters())))
+    return result

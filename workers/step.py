@@ -1,0 +1,81 @@
+"""One optimizer step of a Skrull worker: run every micro-batch of its payload, then `engine.step()`.
+
+Loss normalization (DESIGN.md 6b). The loss of a global batch is
+
+    L = sum over every label token of the global batch of CE / G,   G = payload.global_label_tokens.
+
+Rank k contributes the CE sum over its own tokens, l_k, so L = sum_k l_k / G and dL/dθ = sum_k dl_k/dθ / G.
+DeepSpeed *averages* gradients over its data-parallel group, which is all W = DP x CP ranks (CP ranks are
+replicas holding different tokens), so each rank back-propagates l_k * W / G: the mean over W ranks then
+equals the sum, never divided per micro-batch, per rank or by accumulation steps.
+
+Equal backward passes. ZeRO-2 reduces gradients inside every backward, so every rank must run the same
+number of backwards in the same parameter order. The plan gives every DP rank the same micro-batch count;
+a CP rank with no token in a micro-batch (all sequences local to its peers) runs an *idle* micro-batch: one
+pad token with no target, whose loss is 0 but whose graph touches every parameter like a real one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from scheduling import DacpPlan
+from scheduling.payload import IGNORE_INDEX, RankPayload
+from workers.batch import RankBatch, build_rank_batch
+from workers.distributed import ParallelGroups
+from workers.forward import micro_batch_loss_sum
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    loss_sum: torch.Tensor
+    """This rank's CE sum over its label tokens (detached, fp32, on the model's device)."""
+    num_tokens: int
+    """Tokens this rank ran through the model (its local sequences plus its shards)."""
+    compute_s: float
+    """Wall time of forward + backward + optimizer step on this rank."""
+
+
+def idle_batch(cp_rank: int, cp_size: int, pad_id: int = 0) -> RankBatch:
+    """A one-token micro-batch with no target: keeps this rank's backward count and hook order."""
+    local = tuple((0,) if r == cp_rank else () for r in range(cp_size))
+    plan = DacpPlan(local=local, distributed=())
+    ids = [np.array([pad_id], dtype=np.int64)]
+    labels = [np.array([IGNORE_INDEX], dtype=np.int64)]
+    return build_rank_batch(plan, ids, labels, cp_rank=cp_rank, cp_size=cp_size)
+
+
+def run_step(
+    engine: object,
+    payload: RankPayload,
+    groups: ParallelGroups,
+    *,
+    device: torch.device,
+    loss_chunk_tokens: int,
+) -> StepStats:
+    """Forward/backward every micro-batch with the accumulation boundary on the last, then step."""
+    started = time.perf_counter()
+    world_size = groups.dp_size * groups.cp_size
+    scale = world_size / max(payload.global_label_tokens, 1)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    num_tokens = 0
+    count = len(payload.micro_batches)
+    for index, micro_batch in enumerate(payload.micro_batches):
+        batch = build_rank_batch(micro_batch.plan, micro_batch.input_ids, micro_batch.labels,
+                                 cp_rank=groups.cp_rank, cp_size=groups.cp_size)
+        if batch.input_ids.numel() == 0:
+            batch = idle_batch(groups.cp_rank, groups.cp_size)
+        else:
+            num_tokens += batch.input_ids.numel()
+        batch = batch.to(device)
+        engine.set_gradient_accumulation_boundary(index == count - 1)
+        micro_loss = micro_batch_loss_sum(engine.module, batch, cp_group=groups.cp_group,
+                                          loss_chunk_tokens=loss_chunk_tokens)
+        engine.backward(micro_loss * scale, scale_wrt_gas=False)
+        loss_sum += micro_loss.detach().float()
+    engine.step()
+    return StepStats(loss_sum=loss_sum, num_tokens=num_tokens, compute_s=time.perf_counter() - started)
