@@ -2,18 +2,28 @@
 
 Algorithm 1 shards a sequence only under memory pressure and places local sequences shortest-first, so a
 micro-batch whose longest sequence alone outweighs a rank's fair share ends up with one rank doing most
-of the work (modeled CP imbalance ~2x on LMsysChat1M-like batches). The DACP objective itself
-(minimize max_j Time_j, DESIGN.md section 3) is what we refine against:
+of the work, and the last (longest) local sequences pile up on whichever ranks were lightest when they
+arrived. The DACP objective itself (minimize max_j Time_j, DESIGN.md section 3) is what we refine against:
 
     Time = max_j max(T_comm(V), T_comp(Local_j)) + T_comp(Dist)
 
-Local search, starting from Algorithm 1's placement. On the rank r with the largest local load, try for
-each of its local sequences s
-    move:        s to the least-loaded rank (if it fits there)
-    distribute:  s becomes sharded (if every other rank can take ceil(S/N) tokens)
-and apply the candidate with the lowest modeled Time when it beats the current Time; stop otherwise.
-Every step lowers Time strictly and memory stays within C, so Algorithm 1's guarantees survive, and the
-loop is bounded (at most 2x the sequences of the micro-batch steps).
+1. Local search from Algorithm 1's placement. On the rank r with the largest local load (and the rank
+   `low` with the smallest) try, for each local sequence s of r,
+       move:        s to `low` (if it fits there)
+       swap:        s with a lighter local sequence t of `low` (if both still fit)
+       distribute:  s becomes sharded (if every other rank can take ceil(S/N) tokens)
+   Distributing is taken when it lowers the modeled Time and beats the best exchange; a move or swap
+   is taken when it lowers the busier of the pair (max(L_r', L_low') < L_r), even if another rank
+   keeps the global maximum where it is: that walks across the plateaus a "global max must drop" rule
+   gets stuck on (after a dominant sequence is sharded, its old rank is empty and one move can never
+   lower the max of the other N-1 ranks). Each exchange lowers sum_j L_j^2, so none repeats.
+2. Re-place the local sequences longest-processing-time-first (heaviest first, each to the least loaded
+   rank that still has room; the distributed set stays), run the local search on that too, and keep
+   whichever of the two placements models faster. LPT cannot fail to help where Algorithm 1 stacked
+   the longest local sequences; it is skipped when some sequence finds no rank with room.
+
+Every step lowers Time strictly and keeps every rank within C tokens, so Algorithm 1's guarantees
+(every index once, memory) survive; the local search is bounded (2x the micro-batch's sequences steps).
 """
 
 from __future__ import annotations
@@ -26,6 +36,9 @@ from scheduling.plans import shard_tokens
 
 if TYPE_CHECKING:
     from scheduling.dacp import DacpState
+
+Step = tuple[float, str, int, int, int, int]
+"""(new time, op, sequence, source rank, target rank, swap partner or -1)."""
 
 
 class _Refiner:
@@ -41,43 +54,81 @@ class _Refiner:
         c = self.cost
         return max(c.t_comm(volume, self.n), c.t_comp(max_local)) + c.t_comp(dist)
 
-    def best_step(self) -> tuple[float, str, int, int, int] | None:
-        """(new time, op, sequence, source rank, target rank) of the best candidate of the busiest rank."""
+    @property
+    def current(self) -> float:
+        return self.time(max(self.local_load), self.dist, self.volume)
+
+    def _best_exchange(self, r: int, low: int, rest: float) -> tuple[float, int, int] | None:
+        """Lowest max local load reachable by one move (t=-1) or swap (s <-> t) from r to low."""
+        loads, remaining, lengths, flops = self.local_load, self.state.remaining, self.lengths, self.flops
+        best = None
+        for s in self.state.local[r]:
+            f_s, len_s = flops[s], int(lengths[s])
+            if remaining[low] >= len_s:
+                peak = max(loads[r] - f_s, loads[low] + f_s, rest)
+                if best is None or peak < best[0]:
+                    best = (peak, s, -1)
+            for t in self.state.local[low]:
+                delta, grow = f_s - flops[t], len_s - int(lengths[t])
+                if delta <= 0 or remaining[low] < grow or remaining[r] < -grow:
+                    continue
+                peak = max(loads[r] - delta, loads[low] + delta, rest)
+                if best is None or peak < best[0]:
+                    best = (peak, s, t)
+        return best
+
+    def best_step(self) -> Step | None:
+        """The best candidate of the busiest rank (see the module docstring), or None."""
         loads, remaining, n = self.local_load, self.state.remaining, self.n
         r = loads.index(max(loads))
         low = loads.index(min(loads))
-        # loads the candidates leave untouched: all but r (distribute), all but r and low (move)
+        # loads the candidates leave untouched: all but r (distribute), all but r and low (move, swap)
         rest_r = max((loads[j] for j in range(n) if j != r), default=0.0)
         rest_r_low = max((loads[j] for j in range(n) if j not in (r, low)), default=0.0)
         room_r = min((remaining[j] for j in range(n) if j != r), default=0)
-        comm = self.cost.t_comm(self.volume, n)
-        dist_time = self.cost.t_comp(self.dist)
-        best = None
+        current = self.current
+        best: Step | None = None
         for s in self.state.local[r]:
             f, length = self.flops[s], int(self.lengths[s])
-            if low != r and remaining[low] >= length:
-                t = max(comm, self.cost.t_comp(max(loads[r] - f, loads[low] + f, rest_r_low))) + dist_time
-                if best is None or t < best[0]:
-                    best = (t, "move", s, r, low)
             if room_r >= shard_tokens(length, n):
                 t = self.time(max(loads[r] - f, rest_r), self.dist + f / n,
                               self.volume + self.cost.kv_bytes(float(length)))
-                if best is None or t < best[0]:
-                    best = (t, "distribute", s, r, r)
+                if t < current * (1 - 1e-9) and (best is None or t < best[0]):
+                    best = (t, "distribute", s, r, r, -1)
+        if low != r:
+            # the pair's new peak, without the other ranks: an exchange must lower the busier of the two
+            exchange = self._best_exchange(r, low, 0.0)
+            if exchange is not None and exchange[0] < loads[r] * (1 - 1e-9):
+                peak, s, t = exchange
+                t_new = self.time(max(peak, rest_r_low), self.dist, self.volume)
+                if best is None or t_new <= best[0]:
+                    best = (t_new, "move" if t < 0 else "swap", s, r, low, t)
         return best
 
-    def apply(self, op: str, s: int, r: int, target: int) -> None:
+    def _relocate(self, s: int, source: int, target: int) -> None:
+        st, f, length = self.state, self.flops[s], int(self.lengths[s])
+        st.local[source].remove(s)
+        st.remaining[source] += length
+        st.load[source] -= f
+        self.local_load[source] -= f
+        st.local[target].append(s)
+        st.remaining[target] -= length
+        st.load[target] += f
+        self.local_load[target] += f
+
+    def apply(self, op: str, s: int, r: int, target: int, partner: int) -> None:
+        if op == "move":
+            self._relocate(s, r, target)
+            return
+        if op == "swap":  # free room on the target first, so no rank ever exceeds C mid-swap
+            self._relocate(partner, target, r)
+            self._relocate(s, r, target)
+            return
         st, f, length = self.state, self.flops[s], int(self.lengths[s])
         st.local[r].remove(s)
         st.remaining[r] += length
         st.load[r] -= f
         self.local_load[r] -= f
-        if op == "move":
-            st.local[target].append(s)
-            st.remaining[target] -= length
-            st.load[target] += f
-            self.local_load[target] += f
-            return
         shard = shard_tokens(length, self.n)
         for j in range(self.n):
             st.remaining[j] -= shard
@@ -86,17 +137,73 @@ class _Refiner:
         self.dist += f / self.n
         self.volume += self.cost.kv_bytes(float(length))
 
-    def run(self) -> None:
-        current = self.time(max(self.local_load), self.dist, self.volume)
-        for _ in range(2 * (sum(len(r) for r in self.state.local) + 1)):
+    def run(self) -> float:
+        """Local search until no candidate helps; returns the final modeled Time."""
+        for _ in range(4 * (sum(len(r) for r in self.state.local) + 1)):
             step = self.best_step()
-            if step is None or step[0] >= current * (1 - 1e-9):
-                return
-            current = step[0]
+            if step is None:
+                break
             self.apply(*step[1:])
+        return self.current
+
+
+def relocal_lpt(state: DacpState, lengths: Sequence[int], flops: Sequence[float],
+                shard: int | None = None) -> DacpState | None:
+    """The distributed set (plus `shard`), locals re-placed heaviest-first; None if one finds no room."""
+    from scheduling.dacp import DacpState  # runtime import: dacp imports this module
+
+    n = len(state.remaining)
+    distributed = list(state.distributed) + ([] if shard is None else [shard])
+    shards = sum(shard_tokens(int(lengths[i]), n) for i in distributed)
+    bucket = state.remaining[0] + sum(int(lengths[i]) for i in state.local[0]) + sum(
+        shard_tokens(int(lengths[i]), n) for i in state.distributed)
+    dist = sum(flops[i] for i in distributed) / n
+    out = DacpState(remaining=[bucket - shards] * n, load=[dist] * n, local=[[] for _ in range(n)],
+                    distributed=distributed, rollbacks=state.rollbacks)
+    if bucket - shards < 0:
+        return None
+    local = (i for rank in state.local for i in rank if i != shard)
+    for i in sorted(local, key=lambda i: (-flops[i], i)):
+        length = int(lengths[i])
+        fits = [j for j in range(n) if out.remaining[j] >= length]
+        if not fits:
+            return None
+        j = min(fits, key=lambda j: (out.load[j], j))
+        out.remaining[j] -= length
+        out.load[j] += flops[i]
+        out.local[j].append(i)
+    return out
+
+
+def _heaviest_local(state: DacpState, flops: Sequence[float]) -> int | None:
+    """The heaviest local sequence if it alone exceeds the ranks' fair share of local work, else None."""
+    local = [i for rank in state.local for i in rank]
+    if not local:
+        return None
+    heaviest = max(local, key=lambda i: (flops[i], -i))
+    fair = sum(flops[i] for i in local) / len(state.local)
+    return heaviest if flops[heaviest] > fair else None
 
 
 def refine(state: DacpState, lengths: Sequence[int], flops: Sequence[float], cost: CostModel) -> None:
     """Improve a DacpState in place (see the module docstring); memory invariants are preserved."""
-    if len(state.remaining) > 1:
-        _Refiner(state, lengths, flops, cost).run()
+    if len(state.remaining) <= 1:
+        return
+    best_time, best = _Refiner(state, lengths, flops, cost).run(), state
+    # nothing beats perfectly spread compute with the ring hidden: stop early when we are there
+    floor = cost.t_comp(sum(flops[i] for rank in state.local for i in rank) / len(state.local)
+                        + sum(flops[i] for i in state.distributed) / len(state.local))
+    candidate = relocal_lpt(state, lengths, flops)
+    for attempt in range(len(state.remaining) + 1):  # LPT, then shard a dominant local sequence
+        if candidate is None or best_time <= floor * (1 + 1e-3):
+            break
+        candidate_time = _Refiner(candidate, lengths, flops, cost).run()
+        if candidate_time < best_time * (1 - 1e-9):
+            best_time, best = candidate_time, candidate
+        elif attempt > 0:
+            break
+        heaviest = _heaviest_local(best, flops)
+        candidate = None if heaviest is None else relocal_lpt(best, lengths, flops, shard=heaviest)
+    if best is not state:
+        state.remaining[:], state.load[:] = best.remaining, best.load
+        state.local[:], state.distributed[:] = best.local, best.distributed

@@ -47,6 +47,12 @@ def _cases(cp: int) -> list[dict]:
     add([9, 64, 3, 41, 1], [[0, 2]] + [[] for _ in range(cp - 1)], [1, 3, 4], heads=4, groups=4)
     add([23, 50, 6, 33], [[2]] + [[] for _ in range(cp - 1)], [0, 1, 3], dtype="bf16")      # bf16
     add([5], [[] for _ in range(cp)], [], heads=2, groups=1)  # empty on every rank
+    for _ in range(3):  # random mixes: random lengths, random local rank or distributed per sequence
+        lengths = [int(x) for x in rng.integers(1, 70, size=int(rng.integers(1, 9)))]
+        where = rng.integers(-1, cp, size=len(lengths))
+        heads, groups = [(4, 2), (4, 4), (6, 3), (4, 1)][int(rng.integers(0, 4))]
+        add(lengths, [[i for i, w in enumerate(where) if w == r] for r in range(cp)],
+            [i for i, w in enumerate(where) if w == -1], heads=heads, groups=groups)
     return cases
 
 
@@ -72,13 +78,33 @@ def _stream(parts: list[torch.Tensor], batch, pad_fill: str) -> torch.Tensor:
     return x
 
 
+def _groups_info(rank: int, world: int) -> dict:
+    """ParallelGroups with dp=2 x cp=world/2: which world ranks each of this rank's groups holds."""
+    import torch.distributed as dist
+
+    from workers.distributed import ParallelGroups
+
+    groups = ParallelGroups.create(2, world // 2)
+    info = {"dp_rank": groups.dp_rank, "cp_rank": groups.cp_rank}
+    for name in ("cp_group", "dp_group", "world_group"):
+        members = torch.zeros(world)
+        members[rank] = 1
+        dist.all_reduce(members, group=getattr(groups, name))
+        info[name] = torch.nonzero(members).flatten().tolist()
+    try:
+        ParallelGroups.create(3, world)
+    except ValueError as err:
+        info["error"] = str(err)
+    return info
+
+
 def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
     from workers.attention import dacp_attention
 
     group = dist.new_group(list(range(world)))
-    results = []
+    results: list = [_groups_info(rank, world) if world % 2 == 0 else None]
     for case in cases:
         full = _full_tensors(case)
         ids = [[0] * n for n in case["lengths"]]
@@ -96,7 +122,8 @@ def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
 def _check_cp(cp: int) -> list[str]:
     cases = _cases(cp)
     per_rank = run_workers(_worker, cp, args=(cases,), backend="gloo")
-    failures = []
+    failures = _check_groups(cp, [r[0] for r in per_rank])
+    per_rank = [r[1:] for r in per_rank]
     for c, case in enumerate(cases):
         full = _full_tensors(case)
         refs = [sdpa_reference(*(full[n][i] for n in ("q", "k", "v", "dout")), SCALE)
@@ -120,6 +147,19 @@ def _check_cp(cp: int) -> list[str]:
                                     f"local={case['local']}, dist={case['dist']}): {name} exceeds "
                                     f"tolerance {tol} by {bad:.3g}")
     return failures
+
+
+def _check_groups(world: int, infos: list) -> list[str]:
+    if world % 2:
+        return []
+    cp = world // 2
+    want = [{"dp_rank": r // cp, "cp_rank": r % cp, "cp_group": [r // cp * cp + c for c in range(cp)],
+             "dp_group": [r % cp, cp + r % cp], "world_group": list(range(world))} for r in range(world)]
+    got = [{k: v for k, v in info.items() if k != "error"} for info in infos]
+    errors = [] if got == want else [f"ParallelGroups(2, {cp}): got {got}, want {want}"]
+    if not all("parallel.num_workers" in info.get("error", "") for info in infos):
+        errors.append("ParallelGroups.create(3, world) raised no ValueError naming parallel.num_workers")
+    return errors
 
 
 @pytest.mark.slow

@@ -93,7 +93,8 @@ def test_formats_detected_and_lengths_match(formats, fmt: str) -> None:
 
 def test_explicit_format_and_errors(formats, tmp_path) -> None:
     _, paths = formats
-    assert resolve_source(DataConfig(source="path", path=str(paths["jsonl"]), format="jsonl")).format == "jsonl"
+    explicit = DataConfig(source="path", path=str(paths["jsonl"]), format="jsonl")
+    assert resolve_source(explicit).format == "jsonl"
     with pytest.raises(DataError, match="data.path"):
         resolve_source(DataConfig(source="path", path=str(tmp_path / "nope")))
     (tmp_path / "notes.txt").write_text("x")

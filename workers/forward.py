@@ -19,7 +19,11 @@ def micro_batch_loss_sum(
     model: torch.nn.Module, batch: RankBatch, *, cp_group: dist.ProcessGroup | None = None,
     loss_chunk_tokens: int = 4096,
 ) -> torch.Tensor:
-    """fp32 sum of token cross-entropies over batch.targets on this rank (differentiable)."""
+    """fp32 sum of token cross-entropies over batch.targets on this rank (differentiable).
+
+    `model` is the HF causal LM, or a wrapper exposing it as `.module` (a DeepSpeed engine).
+    """
+    model = getattr(model, "module", model)
     device = model.get_input_embeddings().weight.device
     batch = batch.to(device)
     if batch.num_tokens == 0:

@@ -56,9 +56,11 @@ def _check_args(args: argparse.Namespace) -> Path:
     existing = sorted(out.glob("*.parquet")) if out.is_dir() else []
     if existing and not args.overwrite:
         raise ConfigError(f"--out={args.out!r} already holds {len(existing)} parquet files; pass --overwrite")
-    for old in existing:
-        if old.name.startswith("part-"):
-            old.unlink()
+    foreign = [p.name for p in existing if not p.name.startswith("part-")]
+    if foreign:
+        raise ConfigError(f"--out={args.out!r} holds parquet files `data synth` did not write: {foreign[:3]}")
+    for old in existing:  # all part-* files here, after the check above
+        old.unlink()
     out.mkdir(parents=True, exist_ok=True)
     return out
 

@@ -9,8 +9,8 @@
     ├── pipeline.py    tokenized_dataset(cfg), scan_dataset(cfg) -> DataScan
     └── lengths.py     dataset_token_lengths(data_cfg): token counts without Ray, for the `plan` dry run
 
-No module here imports Ray or torch at import time except ray_ops.py and pipeline.py, which only the
-Ray paths import.
+Nothing here imports torch, and nothing imports Ray at module level: pipeline.py imports it inside its
+functions, and ray_ops.py holds plain classes that Ray instantiates in its actors.
 """
 
 from __future__ import annotations

@@ -82,7 +82,9 @@ def _source_dataset(cfg: SkrullConfig) -> tuple[Any, bool]:
     if data.source == "synthetic":
         if data.num_samples < 1:
             raise DataError(f"data.num_samples={data.num_samples}: the synthetic source needs >= 1 sample")
-        rows = ray.data.range(data.num_samples).map_batches(
+        # One block per ~4k ids: Ray Data would otherwise start one 1-CPU read task per few rows.
+        blocks = max(1, data.num_samples // 4096)
+        rows = ray.data.range(data.num_samples, override_num_blocks=blocks).map_batches(
             SynthesizeBatch,
             fn_constructor_kwargs={"tokenizer": data.tokenizer, "distribution": data.distribution,
                                    "num_samples": data.num_samples, "seed": data.seed,
@@ -93,7 +95,7 @@ def _source_dataset(cfg: SkrullConfig) -> tuple[Any, bool]:
         return rows, False
     source = resolve_source(data)
     if source.format == "parquet":
-        return ray.data.read_parquet(list(source.files), columns=list(source.columns)), False
+        return ray.data.read_parquet(list(source.files)).select_columns(list(source.columns)), False
     if source.format == "jsonl":
         return ray.data.read_text(list(source.files), drop_empty_lines=True), True
     dataset = load_hf_dataset(source.files[0]).select_columns(list(source.columns))

@@ -46,7 +46,7 @@ def resolve_source(data: DataConfig) -> DataSource:
     if fmt == "hf":
         if not path.is_dir():
             raise DataError(f"data.format=hf needs a save_to_disk directory; data.path={data.path!r}")
-        return DataSource(format="hf", files=(str(path),), columns=_hf_columns(load_hf_dataset(str(path))))
+        return DataSource(format="hf", files=(str(path),), columns=_hf_columns(str(path)))
     suffix = ".parquet" if fmt == "parquet" else ".jsonl"
     files = _list_files(path, (suffix, ".json") if fmt == "jsonl" else (suffix,))
     if not files:
@@ -107,8 +107,8 @@ def load_hf_dataset(path: str) -> Any:
     return loaded
 
 
-def _hf_columns(dataset: Any) -> tuple[str, ...]:
-    return _require_columns(list(dataset.column_names), f"data.path={dataset!r}")
+def _hf_columns(path: str) -> tuple[str, ...]:
+    return _require_columns(list(load_hf_dataset(path).column_names), f"data.path={path!r}")
 
 
 def iter_local_rows(source: DataSource, batch_size: int) -> Iterator[list[dict[str, Any]]]:
