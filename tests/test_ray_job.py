@@ -80,7 +80,8 @@ def ray_head(auth_env: dict[str, str]) -> Iterator[str]:
 
 
 @pytest.mark.slow
-def test_ray_job_submit_trains_the_tiny_config(ray_head: str, auth_env: dict[str, str], tmp_path: Path) -> None:
+def test_ray_job_submit_trains_the_tiny_config(ray_head: str, auth_env: dict[str, str],
+                                                tmp_path: Path) -> None:
     entrypoint = [
         sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml", "--json",
         "--set", f"run.storage_path={tmp_path}", "--set", "run.name=job", "--set", "train.steps=3",
