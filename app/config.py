@@ -58,6 +58,8 @@ class ModelConfig:
     """Cost-model dimension h_kv = num_key_value_heads * head_dim (0: read from the model config)."""
     num_layers: int = 0
     """Cost-model layer count (0: read from the model config)."""
+    num_params: int = 0
+    """Cost-model parameter count for the per-micro-batch gradient reduce-scatter (0: estimated)."""
     vocab_size: int = 0
     """Vocabulary size for tiny presets (0: the tokenizer's size)."""
     num_attention_heads: int = 0

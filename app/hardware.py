@@ -58,8 +58,20 @@ def model_dims(model: ModelConfig) -> tuple[int, int, int]:
     return hf.hidden_size, kv_heads * head_dim, hf.num_hidden_layers
 
 
+def model_num_params(model: ModelConfig) -> int:
+    """model.num_params, or 0 to let CostModel.params estimate it from the dims (documented there).
+
+    Reading a hub model's weights just to count them would defeat a dry run, so the paper configs state
+    Qwen2.5's counts; tiny presets use the estimate (their Qwen-vocabulary embeddings dominate it).
+    """
+    if model.num_params < 0:
+        raise ConfigError(f"model.num_params must be >= 0, got {model.num_params}")
+    return model.num_params
+
+
 def cost_model_from_config(config: SkrullConfig) -> CostModel:
-    """The cost model of config.model's dimensions on config.hardware.profile."""
+    """The cost model of config.model's dimensions (and parameter count) on config.hardware.profile."""
     hidden, kv_hidden, layers = model_dims(config.model)
     return CostModel.from_model_dims(hidden_size=hidden, kv_hidden_size=kv_hidden, num_layers=layers,
-                                     profile=load_hardware_profile(config.hardware.profile))
+                                     profile=load_hardware_profile(config.hardware.profile),
+                                     num_params=model_num_params(config.model))

@@ -2,7 +2,9 @@
 
 | policy           | DP split              | micro-batches                        | inside a micro-batch  |
 |------------------|-----------------------|--------------------------------------|-----------------------|
-| skrull           | GDS (LPT by FLOPs)    | GDS strided, roll-back               | DACP + refinement     |
+| skrull           | GDS (LPT by FLOPs)    | GDS strided, roll-back, count tried  | DACP + refinement     |
+|                  |                       | by modeled time; whole-plan fallback | (or all sharded when  |
+|                  |                       | to gds_only when that models faster  | modeled faster)       |
 | static_cp        | data order, rank r::D | k consecutive sequences (k=1)        | all sharded           |
 | static_cp_packed | data order, rank r::D | consecutive, packed to C per rank    | all sharded           |
 | sorted           | LongAlign: sort, pack consecutive to C per rank, shuffle | all sharded           |
@@ -27,6 +29,7 @@ from scheduling.cost import CostModel
 from scheduling.dacp import check_fits, dacp_assign, state_to_plan
 from scheduling.gds import plan_gds, static_micro_batch
 from scheduling.plans import DacpPlan, SchedulingError, StepPlan, shard_tokens
+from scheduling.simulate import lower_bounds, simulate
 
 POLICIES = ("skrull", "static_cp", "static_cp_packed", "sorted", "roundrobin", "dacp_only", "gds_only")
 
@@ -122,6 +125,41 @@ def dacp_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size
     return _equalized(per_rank, cp_size)
 
 
+def skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
+           cost: CostModel) -> StepPlan:
+    """GDS + DACP (+ refinement), or the GDS-only plan when the cost model says that one is faster.
+
+    Every GDS-only micro-batch is also a valid DACP output (all sharded), so Skrull may always fall back
+    to it; planning it costs a fraction of the DACP plan (no placement search). With that fallback
+    Skrull's modeled step is never above GDS-only's. The other ablations are not planned here: DACP-only
+    and round-robin use the same DACP machinery on worse DP splits / placements and cost a full plan.
+    """
+    shape = {"dp_size": dp_size, "cp_size": cp_size, "bucket_size": bucket_size, "cost": cost}
+    plan = plan_gds(lengths, **shape)
+    estimate = simulate(plan, lengths, cost)
+    if estimate.step_s <= _all_sharded_floor(lengths, cost, dp_size=dp_size, cp_size=cp_size):
+        return plan  # no all-sharded plan can be faster: skip planning one
+    fallback = plan_gds(lengths, execution="static", **shape)
+    return fallback if simulate(fallback, lengths, cost).step_s < estimate.step_s else plan
+
+
+def _all_sharded_floor(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_size: int) -> float:
+    """A lower bound of any all-sharded plan's step (same proof as scheduling.simulate's bounds).
+
+    Every micro-batch of such a plan pays T_comm(V) >= the ring's latency floor T_comm(0+) in full (no
+    local work to hide it under), so step >= perfect-balance bound + that floor; and the longest
+    sequence's micro-batch >= T_comm(V*) + T_comp(F*/N) + b.
+    """
+    bound, _ = lower_bounds(lengths, cost, dp_size=dp_size, cp_size=cp_size)
+    if cp_size <= 1 or not len(lengths):
+        return bound
+    longest = float(max(lengths))
+    latency_floor = cost.t_comm(1.0, cp_size)
+    alone = (cost.t_comm(cost.kv_bytes(longest), cp_size) + cost.t_comp(cost.flops(longest) / cp_size)
+             + cost.micro_batch_overhead_s(dp_size * cp_size))
+    return max(bound + latency_floor, alone)
+
+
 def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
               cost: CostModel, seed: int = 0, static_cp_micro_batch: int = 1) -> StepPlan:
     """Plan one global batch with `policy` (one of POLICIES); indices in the plan refer to `lengths`."""
@@ -132,7 +170,7 @@ def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int
     check_fits(lengths, cp_size, bucket_size)
     shape = {"dp_size": dp_size, "cp_size": cp_size, "bucket_size": bucket_size}
     if policy == "skrull":
-        return plan_gds(lengths, cost=cost, **shape)
+        return skrull(lengths, cost=cost, **shape)
     if policy == "roundrobin":
         return plan_gds(lengths, cost=cost, placement="roundrobin", refine=False, **shape)
     if policy == "gds_only":

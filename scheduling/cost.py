@@ -12,6 +12,14 @@ Times (a HardwareProfile holds the rates; see configs/hardware/*.yaml for the so
     T_comp(F)   = F * train_flops_factor / (peak_flops * mfu)       the per-micro-batch constant b of the
                                                                     paper's a*F + b is charged once per
                                                                     micro-batch by `micro_batch_time`
+    b(W)        = launch + grad_reduce_passes * (W-1)/W * P * grad_bytes_per_param / B_coll(W)
+                  ZeRO-2 reduce-scatters the gradients inside *every* micro-batch's backward over the
+                  W = DP x CP ranks (P parameters; one ring pass for a reduce-scatter, two for an
+                  all-reduce). B_coll(W) = NVLink inside one node; across nodes NCCL runs one ring per
+                  rail, so a node's gpus_per_node NICs carry it in parallel:
+                  min(NVLink, gpus_per_node * NIC). So b grows with the model: ~7 ms for 0.5B, ~50 ms
+                  for 7B on 32 H100s (configs/hardware/h100.yaml). It is charged in full (no overlap with
+                  the backward), the pessimistic end of DeepSpeed's overlap_comm.
     T_comm(V,N) = comm_passes * L * (N-1) * max(latency, V/(L*N) / bandwidth)
                   a ring of N-1 steps per layer, each moving one rank's 1/N of the layer's K/V: a fixed
                   latency below latency*bandwidth bytes, linear above (the paper's two-regime T_comm).
@@ -30,6 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+QWEN_VOCAB_SIZE = 151936
+"""Qwen2/2.5 embedding rows (config.json vocab_size), used only by CostModel.params' estimate."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HardwareProfile:
@@ -42,8 +53,12 @@ class HardwareProfile:
     """Model-FLOPs utilization assumed for long packed micro-batches."""
     train_flops_factor: float = 3.0
     """Forward + backward FLOPs over forward FLOPs."""
-    micro_batch_overhead_s: float = 0.01
-    """b: fixed cost of one micro-batch (kernel launches, per-micro-batch ZeRO-2 gradient reduction)."""
+    micro_batch_launch_s: float = 0.004
+    """Fixed launch/dispatch cost of one micro-batch's forward+backward (the model-independent part of b)."""
+    grad_bytes_per_param: float = 2.0
+    """Bytes of one gradient element in the ZeRO-2 reduction (bf16)."""
+    grad_reduce_passes: float = 1.0
+    """Ring passes of the per-micro-batch gradient reduction: 1 reduce-scatter (ZeRO-2), 2 all-reduce."""
     intra_node_bandwidth: float = 360e9
     """Bytes/s one rank can send to a peer inside a node."""
     inter_node_bandwidth: float = 40e9
@@ -82,6 +97,12 @@ class HardwareProfile:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def collective_bandwidth(self, world: int) -> float:
+        """Bus bandwidth of a ring collective over `world` ranks (NVLink, or every rail's NIC at once)."""
+        if world <= self.gpus_per_node:
+            return self.intra_node_bandwidth
+        return min(self.intra_node_bandwidth, self.gpus_per_node * self.inter_node_bandwidth)
+
     def link(self, cp_size: int) -> tuple[float, float]:
         """(latency_s, bandwidth) of a ring over `cp_size` ranks: NVLink if one node holds it."""
         if cp_size <= self.gpus_per_node:
@@ -97,6 +118,8 @@ class CostModel:
     kv_hidden_size: int
     num_layers: int
     profile: HardwareProfile = dataclasses.field(default_factory=HardwareProfile)
+    num_params: int = 0
+    """Trainable parameters (whose gradients ZeRO-2 reduces every micro-batch); 0: `estimated_params`."""
 
     def __post_init__(self) -> None:
         for knob, value in (("model.hidden_size", self.hidden_size),
@@ -104,12 +127,37 @@ class CostModel:
                             ("model.num_layers", self.num_layers)):
             if value < 1:
                 raise ValueError(f"cost model needs {knob} >= 1, got {value}")
+        if self.num_params < 0:
+            raise ValueError(f"cost model needs model.num_params >= 0, got {self.num_params}")
 
     @classmethod
     def from_model_dims(cls, *, hidden_size: int, kv_hidden_size: int, num_layers: int,
-                        profile: HardwareProfile | None = None) -> CostModel:
+                        profile: HardwareProfile | None = None, num_params: int = 0) -> CostModel:
         return cls(hidden_size=int(hidden_size), kv_hidden_size=int(kv_hidden_size),
-                   num_layers=int(num_layers), profile=profile or HardwareProfile())
+                   num_layers=int(num_layers), profile=profile or HardwareProfile(),
+                   num_params=int(num_params))
+
+    @property
+    def params(self) -> int:
+        """num_params, or the estimate 12*h^2*L + 2*V*h with Qwen2.5's vocabulary V = 151936.
+
+        12*h^2 per layer is the classic GPT count (4h^2 attention + 8h^2 MLP); Qwen's wider MLP and GQA
+        make the true count differ (Qwen2.5-0.5B: 494M true vs 504M estimated, 7B: 7.62B vs 5.41B), so
+        configs should state model.num_params; 2*V*h counts untied input and output embeddings.
+        """
+        if self.num_params:
+            return self.num_params
+        h = self.hidden_size
+        return 12 * h * h * self.num_layers + 2 * QWEN_VOCAB_SIZE * h
+
+    def micro_batch_overhead_s(self, world: int = 1) -> float:
+        """b: launch cost + the ZeRO-2 gradient reduce-scatter over `world` = DP x CP ranks."""
+        p = self.profile
+        launch = p.micro_batch_launch_s
+        if world <= 1:
+            return launch
+        volume = p.grad_reduce_passes * (world - 1) / world * self.params * p.grad_bytes_per_param
+        return launch + volume / p.collective_bandwidth(world)
 
     # ------------------------------------------------------------------------------------------ FLOPs
     def flops(self, length: float) -> float:
@@ -139,15 +187,17 @@ class CostModel:
         steps = self.num_layers * (cp_size - 1)
         return self.profile.comm_passes * steps * max(latency, per_step / bandwidth)
 
-    def micro_batch_time(self, local_flops: Sequence[float], dist_flops: float, volume: float) -> float:
-        """DACP overlap formula: max_j [max(T_comm(V), T_comp(Local_j)) + T_comp(Dist)] + b.
+    def micro_batch_time(self, local_flops: Sequence[float], dist_flops: float, volume: float, *,
+                         world: int = 1) -> float:
+        """DACP overlap formula: max_j [max(T_comm(V), T_comp(Local_j)) + T_comp(Dist)] + b(world).
 
         `local_flops[j]` is rank j's local FLOPs, `dist_flops` the per-rank FLOPs of the distributed
-        shards (equal on every rank), `volume` the distributed sequences' total K/V bytes.
+        shards (equal on every rank), `volume` the distributed sequences' total K/V bytes, `world` the
+        DP x CP ranks the gradients are reduced over.
         """
         comm = self.t_comm(volume, len(local_flops))
         worst_local = max(local_flops) if len(local_flops) else 0.0
-        overhead = self.profile.micro_batch_overhead_s
+        overhead = self.micro_batch_overhead_s(world)
         return max(comm, self.t_comp(worst_local)) + self.t_comp(dist_flops) + overhead
 
     # ------------------------------------------------------------------------------------------ memory

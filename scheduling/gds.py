@@ -20,6 +20,12 @@
    drops; an empty micro-batch would buy nothing for the same b. Empty micro-batches appear only when a
    rank has fewer sequences than M.
 
+4. Modeled-time choices (with a cost model and refine=True; our extension beyond the paper):
+   - a micro-batch whose DACP plan models slower than sharding everything, or on which Algorithm 1's
+     roll-back gives up while all-sharded still fits, is planned all-sharded (a valid DACP output);
+   - after the first fit M, the common counts M+1 .. M+EXTRA_COUNTS are planned too while the lower
+     bound max_r floor_r + M'*b is below the best step so far, and the fastest is kept.
+
 `execution="static"` (the GDS-only ablation) shards every sequence instead of running DACP: a micro-batch
 then fits when sum(ceil(S/N)) <= C.
 """
@@ -34,8 +40,11 @@ import numpy as np
 from scheduling.cost import CostModel
 from scheduling.dacp import check_fits, dacp_assign, state_to_plan
 from scheduling.plans import DacpPlan, SchedulingError, StepPlan, shard_tokens
+from scheduling.simulate import rank_times
 
 EXECUTIONS = ("dacp", "static")
+EXTRA_COUNTS = 2
+"""How many common micro-batch counts above the first fit GDS tries (kept when modeled faster)."""
 
 
 def lpt_bins(flops: Sequence[float], num_bins: int) -> list[list[int]]:
@@ -61,11 +70,14 @@ class _RankSplitter:
     """Strided micro-batching of one DP rank's bin, planning each micro-batch with DACP or static CP."""
 
     def __init__(self, bin_: list[int], lengths: Sequence[int], flops: Sequence[float], *, cp_size: int,
-                 bucket_size: int, placement: str, execution: str, cost: CostModel | None) -> None:
+                 bucket_size: int, placement: str, execution: str, cost: CostModel | None,
+                 world: int = 1) -> None:
         self.bin = sorted(bin_, key=lambda i: (int(lengths[i]), i))
         self.lengths, self.flops = lengths, flops
         self.cp_size, self.bucket_size = cp_size, bucket_size
         self.placement, self.execution, self.cost = placement, execution, cost
+        self.world = world
+        """DP x CP ranks the gradients are reduced over (sizes the per-micro-batch cost b)."""
 
     def first_count(self) -> int:
         total = sum(int(self.lengths[i]) for i in self.bin)
@@ -88,11 +100,29 @@ class _RankSplitter:
         return plans
 
     def _plan(self, members: list[int]) -> DacpPlan | None:
+        static = static_micro_batch(members, self.lengths, self.cp_size, self.bucket_size)
         if self.execution == "static":
-            return static_micro_batch(members, self.lengths, self.cp_size, self.bucket_size)
+            return static
         state = dacp_assign(members, self.lengths, self.flops, cp_size=self.cp_size,
                             bucket_size=self.bucket_size, placement=self.placement, cost=self.cost)
-        return None if state is None else state_to_plan(state)
+        if self.cost is None:  # the paper's Algorithm 1 alone (the round-robin ablation): no fallback
+            return None if state is None else state_to_plan(state)
+        # All-sharded is a valid DACP output too. Algorithm 1's roll-back can give up (or leave a long
+        # sequence local under memory pressure) where sharding everything still fits and runs faster:
+        # keep whichever the cost model says is faster, so Skrull never needs more micro-batches than
+        # GDS-only and never models slower on the same micro-batch.
+        plan = None if state is None else state_to_plan(state)
+        if plan is None or (static is not None and self.time(static) < self.time(plan)):
+            return static
+        return plan
+
+    def time(self, plan: DacpPlan) -> float:
+        """Modeled seconds of one micro-batch (max over its CP ranks)."""
+        assert self.cost is not None
+        return max(rank_times(plan, self.lengths, self.flops, self.cost, world=self.world))
+
+    def split_time(self, plans: list[DacpPlan]) -> float:
+        return sum(self.time(p) for p in plans) if self.cost is not None else 0.0
 
     def smallest_fit(self, start: int) -> tuple[int, list[DacpPlan]]:
         """The first count >= start whose split fits (always ends: len(bin) singletons fit)."""
@@ -126,15 +156,54 @@ def plan_gds(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size:
         bins = lpt_bins(flops, dp_size)
     splitters = [_RankSplitter(b, lengths, flops, cp_size=cp_size, bucket_size=bucket_size,
                                placement=placement, execution=execution,
-                               cost=cost if refine else None) for b in bins]
-    results = [s.smallest_fit(s.first_count()) for s in splitters]
+                               cost=cost if refine else None, world=dp_size * cp_size) for b in bins]
+    results = _equal_counts(splitters, [s.smallest_fit(s.first_count()) for s in splitters])
+    if not refine:
+        return _step(results)
+    # GDS's first fit is the fewest micro-batches, which is not always the fastest: a larger common
+    # count M can let DACP keep more sequences local or balance better. Try up to EXTRA_COUNTS more,
+    # stopping once M alone is too slow: max_r floor_r + M*b lower-bounds any split into M, floor_r
+    # being rank r's share of its FLOPs or its longest sequence alone (scheduling/simulate.py's proof).
+    best, best_time = results, _step_time(splitters, results)
+    floor = max(_rank_floor([int(lengths[i]) for i in b], cost, cp_size) for b in bins if b)
+    for extra in range(1, EXTRA_COUNTS + 1):
+        count = results[0][0] + extra
+        if floor + count * cost.micro_batch_overhead_s(dp_size * cp_size) >= best_time:
+            break
+        candidate = _equal_counts(splitters, [s.smallest_fit(count) for s in splitters])
+        candidate_time = _step_time(splitters, candidate)
+        if candidate_time < best_time * (1 - 1e-9):
+            best, best_time = candidate, candidate_time
+    return _step(best)
+
+
+Split = tuple[int, list[DacpPlan]]
+
+
+def _equal_counts(splitters: list[_RankSplitter], results: list[Split]) -> list[Split]:
+    """Re-split every rank to the common (largest) count; grow it if some rank cannot take it."""
     target = max(count for count, _ in results)
-    while True:  # re-split every rank to the common count; grow it if some rank cannot take it
+    while True:
         for r, splitter in enumerate(splitters):
             if results[r][0] != target:
                 results[r] = splitter.smallest_fit(target)
         new_target = max(count for count, _ in results)
         if new_target == target:
-            break
+            return results
         target = new_target
+
+
+def _rank_floor(lengths: list[int], cost: CostModel, cp_size: int) -> float:
+    """Seconds (without b) no split of one DP rank's sequences can beat (see scheduling.simulate)."""
+    longest = float(max(lengths))
+    alone = min(cost.t_comp(cost.flops(longest)), cost.t_comm(cost.kv_bytes(longest), cp_size)
+                + cost.t_comp(cost.flops(longest) / cp_size))
+    return max(cost.t_comp(float(cost.flops(np.asarray(lengths, dtype=np.float64)).sum()) / cp_size), alone)
+
+
+def _step_time(splitters: list[_RankSplitter], results: list[Split]) -> float:
+    return max(s.split_time(plans) for s, (_, plans) in zip(splitters, results, strict=True))
+
+
+def _step(results: list[Split]) -> StepPlan:
     return StepPlan(micro_batches=tuple(tuple(plans) for _, plans in results))

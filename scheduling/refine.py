@@ -17,10 +17,13 @@ arrived. The DACP objective itself (minimize max_j Time_j, DESIGN.md section 3) 
    keeps the global maximum where it is: that walks across the plateaus a "global max must drop" rule
    gets stuck on (after a dominant sequence is sharded, its old rank is empty and one move can never
    lower the max of the other N-1 ranks). Each exchange lowers sum_j L_j^2, so none repeats.
-2. Re-place the local sequences longest-processing-time-first (heaviest first, each to the least loaded
-   rank that still has room; the distributed set stays), run the local search on that too, and keep
-   whichever of the two placements models faster. LPT cannot fail to help where Algorithm 1 stacked
-   the longest local sequences; it is skipped when some sequence finds no rank with room.
+2. Starts: the local search runs from the local sequences re-placed longest-processing-time-first
+   (heaviest first, each to the least loaded rank that still has room; the distributed set stays), and
+   from Algorithm 1's own placement unless the first already reached the floor T_comp(F / N); the
+   faster is kept. LPT is skipped when some sequence finds no rank with room.
+3. Sharding chain: while the heaviest local sequence alone exceeds a rank's fair share of the local
+   work, shard it, re-place the rest by LPT and search again, keeping the fastest state seen (a chain,
+   since two dominant sequences may both have to be sharded before the ring traffic pays off).
 
 Every step lowers Time strictly and keeps every rank within C tokens, so Algorithm 1's guarantees
 (every index once, memory) survive; the local search is bounded (2x the micro-batch's sequences steps).
@@ -28,6 +31,8 @@ Every step lowers Time strictly and keeps every rank within C tokens, so Algorit
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -88,9 +93,10 @@ class _Refiner:
         room_r = min((remaining[j] for j in range(n) if j != r), default=0)
         current = self.current
         best: Step | None = None
+        gap = loads[r] - rest_r  # sharding s saves at most `gap` of local work and costs f/n on every rank
         for s in self.state.local[r]:
             f, length = self.flops[s], int(self.lengths[s])
-            if room_r >= shard_tokens(length, n):
+            if f / n < gap and room_r >= shard_tokens(length, n):
                 t = self.time(max(loads[r] - f, rest_r), self.dist + f / n,
                               self.volume + self.cost.kv_bytes(float(length)))
                 if t < current * (1 - 1e-9) and (best is None or t < best[0]):
@@ -162,16 +168,24 @@ def relocal_lpt(state: DacpState, lengths: Sequence[int], flops: Sequence[float]
                     distributed=distributed, rollbacks=state.rollbacks)
     if bucket - shards < 0:
         return None
+    heap = [(dist, j) for j in range(n)]  # (load, rank): the least loaded rank on top
     local = (i for rank in state.local for i in rank if i != shard)
     for i in sorted(local, key=lambda i: (-flops[i], i)):
         length = int(lengths[i])
-        fits = [j for j in range(n) if out.remaining[j] >= length]
-        if not fits:
-            return None
-        j = min(fits, key=lambda j: (out.load[j], j))
+        j = heap[0][1]
+        if out.remaining[j] < length:  # rare: the least loaded rank is full, take the next that fits
+            fits = [k for k in range(n) if out.remaining[k] >= length]
+            if not fits:
+                return None
+            j = min(fits, key=lambda k: (out.load[k], k))
         out.remaining[j] -= length
         out.load[j] += flops[i]
         out.local[j].append(i)
+        if j == heap[0][1]:
+            heapq.heapreplace(heap, (out.load[j], j))
+        else:
+            heap = [(out.load[k], k) for k in range(n)]
+            heapq.heapify(heap)
     return out
 
 
@@ -189,21 +203,28 @@ def refine(state: DacpState, lengths: Sequence[int], flops: Sequence[float], cos
     """Improve a DacpState in place (see the module docstring); memory invariants are preserved."""
     if len(state.remaining) <= 1:
         return
-    best_time, best = _Refiner(state, lengths, flops, cost).run(), state
     # nothing beats perfectly spread compute with the ring hidden: stop early when we are there
     floor = cost.t_comp(sum(flops[i] for rank in state.local for i in rank) / len(state.local)
-                        + sum(flops[i] for i in state.distributed) / len(state.local))
-    candidate = relocal_lpt(state, lengths, flops)
-    for attempt in range(len(state.remaining) + 1):  # LPT, then shard a dominant local sequence
-        if candidate is None or best_time <= floor * (1 + 1e-3):
+                        + sum(flops[i] for i in state.distributed) / len(state.local)) * (1 + 1e-3)
+    best, best_time = state, math.inf
+    lpt = relocal_lpt(state, lengths, flops)  # usually the better start, and cheaper to search
+    if lpt is not None:
+        best, best_time = lpt, _Refiner(lpt, lengths, flops, cost).run()
+    if best_time > floor:  # Algorithm 1's own placement, searched, as the other start
+        state_time = _Refiner(state, lengths, flops, cost).run()
+        if state_time <= best_time * (1 - 1e-9):
+            best, best_time = state, state_time
+    candidate = best
+    for _ in range(len(state.remaining)):  # shard dominant local sequences one by one
+        heaviest = None if best_time <= floor else _heaviest_local(candidate, flops)
+        candidate = None if heaviest is None else relocal_lpt(candidate, lengths, flops, shard=heaviest)
+        if candidate is None:
             break
+        # keep sharding along the chain even without a gain yet: two dominant sequences may both
+        # need sharding before the ring traffic pays for itself
         candidate_time = _Refiner(candidate, lengths, flops, cost).run()
         if candidate_time < best_time * (1 - 1e-9):
-            best_time, best = candidate_time, candidate
-        elif attempt > 0:
-            break
-        heaviest = _heaviest_local(best, flops)
-        candidate = None if heaviest is None else relocal_lpt(best, lengths, flops, shard=heaviest)
+            best, best_time = candidate, candidate_time
     if best is not state:
         state.remaining[:], state.load[:] = best.remaining, best.load
         state.local[:], state.distributed[:] = best.local, best.distributed

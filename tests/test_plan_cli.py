@@ -13,7 +13,8 @@ from scheduling import POLICIES
 
 PAPER = "configs/paper/qwen2.5-0.5b-lmsys.yaml"
 KEYS = {"modeled_step_s", "speedup_vs_static_cp", "speedup_vs_sorted", "bound_ratio", "dp_imbalance",
-        "cp_imbalance", "distributed_token_fraction", "plan_ms_median", "plan_ms_p99"}
+        "cp_imbalance", "distributed_token_fraction", "plan_ms_median", "plan_ms_p99", "bound_ratio_median",
+        "bound_ratio_feasible"}
 
 
 def _run(module, argv: list[str]) -> int:
@@ -30,6 +31,9 @@ def test_plan_json_on_a_paper_config(capsys, tmp_path):
     assert all(set(row) >= KEYS for row in out["policies"].values())
     assert out["policies"]["static_cp"]["speedup_vs_static_cp"] == pytest.approx(1.0)
     assert out["policies"]["skrull"]["speedup_vs_static_cp"] > 1
+    for row in out["policies"].values():  # the feasible bound is tighter, and both are lower bounds
+        assert 1 - 1e-9 <= row["bound_ratio_feasible"] <= row["bound_ratio"] + 1e-12
+        assert row["bound_ratio_median"] >= 1 - 1e-9
     assert png.stat().st_size > 0
 
 
@@ -41,7 +45,9 @@ def test_plan_table(capsys):
 
 def test_plan_needs_model_dims():
     with pytest.raises(ConfigError, match="model.hidden_size"):
-        _run(plan, ["--config", PAPER, "--set", "model.hidden_size=0"])
+        # a local path that does not exist: the HF config lookup fails at once instead of going online
+        _run(plan, ["--config", PAPER, "--set", "model.hidden_size=0", "--set",
+                    "model.name_or_path=/nonexistent/skrull-model"])
 
 
 def test_plan_too_long_is_an_error_naming_the_knobs():

@@ -83,3 +83,42 @@ def test_refinement_shards_a_dominant_sequence():
     raw = plan_dacp(lengths, cp_size=4, bucket_size=26000, cost=cost, refine=False)
     refined = plan_dacp(lengths, cp_size=4, bucket_size=26000, cost=cost)
     assert 30 not in raw.distributed and refined.distributed == (30,)
+
+
+QWEN = CostModel.from_model_dims(hidden_size=896, kv_hidden_size=128, num_layers=24)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 8), st.integers(2000, 12000), st.lists(st.integers(1, 6000), min_size=2, max_size=40))
+def test_refinement_keeps_invariants_and_never_models_slower(cp, bucket, raw):
+    # Real-model dims so that moves, swaps, LPT re-placement and sharding chains all trigger.
+    from scheduling.simulate import rank_times
+
+    lengths = [min(s, bucket * cp) for s in raw]
+    seen: list[int] = []
+
+    def observe(state: DacpState) -> None:
+        seen.append(1)
+        n = len(state.remaining)
+        shards = sum(shard_tokens(lengths[i], n) for i in state.distributed)
+        for j in range(n):
+            assert state.remaining[j] == bucket - sum(lengths[i] for i in state.local[j]) - shards >= 0
+
+    try:
+        raw_plan = plan_dacp(lengths, cp_size=cp, bucket_size=bucket, cost=QWEN, refine=False)
+    except SchedulingError:
+        return  # Algorithm 1 alone gave up: nothing to refine
+    plan = plan_dacp(lengths, cp_size=cp, bucket_size=bucket, cost=QWEN, on_step=observe)
+    assert sorted(plan.indices) == list(range(len(lengths)))
+    assert max(plan.rank_tokens(lengths)) <= bucket
+    flops = [QWEN.flops(s) for s in lengths]
+    assert max(rank_times(plan, lengths, flops, QWEN)) <= max(rank_times(raw_plan, lengths, flops, QWEN)) * (
+        1 + 1e-12)
+
+
+def test_refinement_shards_two_dominant_sequences_together():
+    # Two ~3.5K sequences each above a rank's fair share: sharding only one does not pay (the other
+    # still dominates), so the refinement must follow the sharding chain past a non-improving step.
+    lengths = [3500, 3400] + [300] * 60
+    plan = plan_dacp(lengths, cp_size=8, bucket_size=26000, cost=QWEN)
+    assert set(plan.distributed) >= {0, 1}

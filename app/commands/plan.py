@@ -31,7 +31,9 @@ def run(args: argparse.Namespace) -> int:
     batches = len(runs["skrull"].estimates)
     print(f"{config.run.name}: {batches} global batches of {sched.global_batch_size} sequences, "
           f"DP={par.dp_size} x CP={par.cp_size}, BucketSize={sched.bucket_size}, "
-          f"hardware={cost.profile.name} (modeled times, not measurements)")
+          f"hardware={cost.profile.name}, per-micro-batch cost b="
+          f"{cost.micro_batch_overhead_s(par.dp_size * par.cp_size) * 1e3:.1f} ms "
+          "(modeled times, not measurements)")
     print(format_table(summary))
     if args.plot:
         print(f"plot written to {args.plot}")
