@@ -39,9 +39,9 @@ class ConfigError(ValueError):
 @dataclass
 class RunConfig:
     name: str = "skrull-run"
-    """Run name: outputs go to <storage_path>/<name>/ and re-running the same name resumes it."""
+    """Run name: outputs go to <storage_path>/<name>/ (empty: timestamped); an existing run is refused."""
     storage_path: str = "runs"
-    """Directory (or cloud URI) that holds runs; relative paths are resolved against the working dir."""
+    """Local directory that holds runs (on a cluster: one shared by all nodes); relative to the cwd."""
 
 
 @dataclass
@@ -106,8 +106,6 @@ class ParallelConfig:
     """Ray Train workers = DP x CP ranks."""
     cp_size: int = 1
     """Context-parallel degree N; dp_size = num_workers / cp_size."""
-    min_workers: int = 0
-    """Elastic lower bound on workers (0: fixed size = num_workers)."""
     backend: str = "auto"
     """auto (nccl with GPUs, gloo without) | gloo | nccl."""
 
@@ -151,9 +149,10 @@ class TrainConfig:
     seed: int = 0
     zero_stage: int = 2
     """DeepSpeed ZeRO stage (the product is built and tested for 2)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward: less memory per token, ~1/3 more compute."""
     loss_chunk_tokens: int = 4096
     """Cross-entropy is computed this many tokens at a time, so full logits never exist."""
-    log_every: int = 1
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
 
@@ -344,11 +343,6 @@ def validate(config: SkrullConfig) -> None:
         raise ConfigError(
             f"parallel.num_workers={par.num_workers} is not divisible by parallel.cp_size={par.cp_size}; "
             "change one so that num_workers = dp_size * cp_size"
-        )
-    if par.min_workers and (par.min_workers % par.cp_size or par.min_workers > par.num_workers):
-        raise ConfigError(
-            f"parallel.min_workers={par.min_workers} must be a multiple of parallel.cp_size={par.cp_size} "
-            f"and <= parallel.num_workers={par.num_workers}"
         )
     sched = config.scheduling
     if sched.bucket_size < 1:

@@ -29,9 +29,14 @@ class TrainSummary:
     checkpoint: str | None
     run_dir: str
     losses: list[float]
+    history: list[dict[str, float]]
+    """Every step's reported metrics (loss, tokens_per_s, step_s, planner_wait_s, ...), in step order."""
 
     def to_json_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The public `train --json` summary: the totals, without the per-step lists."""
+        result = asdict(self)
+        del result["losses"], result["history"]
+        return result
 
 
 def start_ray(config: SkrullConfig, *, worker_logs: bool = True) -> None:
@@ -95,6 +100,7 @@ def _worker_settings(config: SkrullConfig, planner: Any, total_steps: int, run_d
         "vocab_size": vocab_size, "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_key_value_heads, "hidden_size": m.hidden_size,
         "num_layers": m.num_layers, "intermediate_size": m.intermediate_size, "seed": config.train.seed,
+        "activation_checkpointing": config.train.activation_checkpointing,
     }
     return WorkerSettings(
         model=model, deepspeed=deepspeed_config(config, on_gpu=_use_gpu(config)),
@@ -159,4 +165,5 @@ def train(config: SkrullConfig, *, progress: bool = True, worker_logs: bool = Tr
         tokens=sum(int(h["tokens"]) for h in history), loss_first=history[0]["loss"],
         loss_last=history[-1]["loss"], tokens_per_s=sum(h["tokens"] for h in history) / max(total_time, 1e-9),
         checkpoint=checkpoint, run_dir=str(run_dir), losses=[h["loss"] for h in history],
+        history=[dict(h) for h in history],
     )

@@ -187,3 +187,8 @@ def fetch_payload(planner: Any, step: int, dp_rank: int, cp_rank: int) -> RankPa
     """Worker side: wait for this rank's payload of `step` and pull it from the object store."""
     (ref,) = ray.get(planner.payload.remote(step, dp_rank, cp_rank))
     return ray.get(ref)
+
+
+def planner_ahead_steps(planner: Any, step: int) -> int:
+    """How many steps beyond `step` the planner has already published (0: training waits on planning)."""
+    return int(ray.get(planner.stats.remote())["planned_step"]) - step

@@ -29,7 +29,13 @@ class SchedulingError(ValueError):
 
 
 def shard_tokens(length: int, cp_size: int) -> int:
-    """Tokens one CP rank holds of a sequence sharded over `cp_size` ranks: ceil(S / N)."""
+    """Tokens one CP rank holds of a sequence sharded over `cp_size` ranks: ceil(S / N).
+
+    This is the paper's accounting and the one BucketSize is checked against. The workers' zigzag split
+    pads a distributed sequence to a multiple of 2N (2 * ceil(S / 2N) tokens per rank), i.e. at most one
+    label-free pad token per distributed sequence beyond this count: negligible next to C, so the plan
+    keeps the paper's bound (a sequence of exactly C*N tokens stays schedulable).
+    """
     return -(-length // cp_size)
 
 

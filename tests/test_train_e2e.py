@@ -19,6 +19,8 @@ from app.driver import train  # noqa: E402
 
 NUM_SAMPLES = 40
 BATCH = 8
+METRICS = {"loss", "tokens_per_s", "step_s", "planner_wait_s", "plan_ms", "compute_imbalance", "grad_norm",
+           "planner_ahead_steps"}
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +56,9 @@ def test_dp1_cp2_trains_and_static_cp_gives_the_same_losses(local_ray, tmp_path:
     for ids in by_epoch.values():
         assert sorted(ids) == list(range(NUM_SAMPLES))
     assert skrull.checkpoint and Path(skrull.checkpoint).is_dir()
+    for metrics in skrull.history:  # what a user's dashboard reads from ray.train.report
+        assert set(metrics) >= METRICS, METRICS - set(metrics)
+        assert metrics["compute_imbalance"] >= 1 and metrics["planner_ahead_steps"] >= 0
 
     static = train(_config(tmp_path, "static", "scheduling.policy=static_cp"), progress=False)
     # Scheduling changes which rank computes what, never the math of a global batch: fp32 losses agree up

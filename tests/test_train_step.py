@@ -29,16 +29,18 @@ MODEL = {"name_or_path": "tiny-qwen2", "vocab_size": VOCAB, "dtype": "fp32", "se
 LR = 2.0**20
 COST = CostModel.from_model_dims(hidden_size=64, kv_hidden_size=32, num_layers=2)
 
-# (dp_size, cp_size, plan): skrull's own plan, and a hand-made CP plan where CP rank 1 has nothing in the
-# first micro-batch (an idle micro-batch) and rank 0 holds only shards in the second.
+# (dp_size, cp_size, plan, activation checkpointing): skrull's own plan, a hand-made CP plan where CP rank 1
+# has nothing in the first micro-batch (an idle micro-batch) and rank 0 holds only shards in the second, and
+# skrull's plan again with every decoder layer recomputed in backward (the ring runs twice per layer).
 HAND_PLAN = StepPlan(micro_batches=((
     DacpPlan(local=((0, 1, 2), ()), distributed=()),
     DacpPlan(local=((), (4, 5)), distributed=(3, 6, 7)),
 ),))
 CASES = {
-    "dp2_cp1_skrull": (2, 1, None),
-    "dp1_cp2_skrull": (1, 2, None),
-    "dp1_cp2_idle_rank": (1, 2, HAND_PLAN),
+    "dp2_cp1_skrull": (2, 1, None, False),
+    "dp1_cp2_skrull": (1, 2, None, False),
+    "dp1_cp2_idle_rank": (1, 2, HAND_PLAN, False),
+    "dp1_cp2_recompute": (1, 2, None, True),
 }
 
 
@@ -90,12 +92,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     samples = _samples()
-    for name, (dp, cp, plan) in CASES.items():
+    for name, (dp, cp, plan, recompute) in CASES.items():
         groups = ParallelGroups.create(dp, cp)
         plan = plan or plan_step("skrull", LENGTHS, dp_size=dp, cp_size=cp, bucket_size=40, cost=COST)
         payloads = build_rank_payloads(plan, samples, step=1, epoch=0, cursor=Cursor(epoch=0, rows=8),
                                        plan_ms=0.0)
-        model = build_model(**MODEL)
+        model = build_model(**MODEL, activation_checkpointing=recompute)
+        model.train()  # transformers only recomputes in training mode
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         engine, *_ = deepspeed.initialize(model=model, config=_ds_config(),
                                           optimizer=torch.optim.SGD(model.parameters(), lr=LR))

@@ -45,11 +45,15 @@ def build_model(
     name_or_path: str = "tiny-qwen2", *, random_init: bool = False, dtype: str = "fp32", vocab_size: int = 0,
     num_attention_heads: int = 0, num_key_value_heads: int = 0, hidden_size: int = 0, num_layers: int = 0,
     intermediate_size: int = 0, seed: int = 0, attn_implementation: str | None = None,
+    activation_checkpointing: bool = False,
 ):
     """A transformers PreTrainedModel using the "dacp" attention (or `attn_implementation`), use_cache off.
 
     Tiny presets always use random init (seeded by `seed`); the dimension arguments (0 = preset default)
     apply to them only, except vocab_size, which also resizes a random-init hub config.
+    `activation_checkpointing` recomputes each decoder layer in backward (transformers' gradient
+    checkpointing, non-reentrant so the DACP layout keyword arguments pass through): the recompute re-runs
+    the ring, which is safe because every CP rank recomputes the same layers in the same order.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -81,4 +85,6 @@ def build_model(
         except OSError as err:
             raise ValueError(f"model.name_or_path={name_or_path!r} could not be loaded: {err}") from err
     model.config.use_cache = False
+    if activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

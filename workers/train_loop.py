@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from scheduling.actor import fetch_payload
+from scheduling.actor import fetch_payload, planner_ahead_steps
 from scheduling.payload import RankPayload
 from workers.distributed import ParallelGroups
 from workers.step import StepStats, run_step
@@ -60,6 +60,7 @@ def _build_engine(settings: WorkerSettings, device: torch.device) -> Any:
 
     torch.manual_seed(settings.seed)  # identical initial weights on every rank for random-init models
     model = build_model(**settings.model).to(device)
+    model.train()  # from_pretrained returns eval mode, which would also silently skip activation recompute
     engine, *_ = deepspeed.initialize(model=model, config=settings.deepspeed,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     return engine
@@ -139,7 +140,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         stats = run_step(engine, payload, groups, device=device,
                          loss_chunk_tokens=settings.loss_chunk_tokens)
         metrics = _step_metrics(stats, payload, groups, engine, wait_s)
-        if context.get_world_rank() == 0:
+        if context.get_world_rank() == 0:  # Ray Train keeps rank 0's metrics; one actor call per step
+            metrics["planner_ahead_steps"] = planner_ahead_steps(settings.planner, step)
             _append_samples(settings.run_dir, payload)
         every = settings.checkpoint_every
         _report(metrics, engine, payload, save=step == last or bool(every and step % every == 0))

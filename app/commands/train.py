@@ -21,9 +21,7 @@ def run(args: argparse.Namespace) -> int:
     # With --json, stdout carries only the summary line; worker errors still surface as exceptions.
     summary = train(config, progress=not args.no_progress and not args.json, worker_logs=not args.json)
     if args.json:
-        result = summary.to_json_dict()
-        result.pop("losses")
-        print(json.dumps(result))
+        print(json.dumps(summary.to_json_dict()))
     else:
         print(f"trained {summary.steps} steps, {summary.samples} samples, {summary.tokens} tokens: loss "
               f"{summary.loss_first:.4f} -> {summary.loss_last:.4f}, {summary.tokens_per_s:.0f} tokens/s")
