@@ -28,14 +28,17 @@ class TrainSummary:
     tokens_per_s: float
     checkpoint: str | None
     run_dir: str
-    losses: list[float]
     history: list[dict[str, float]]
     """Every step's reported metrics (loss, tokens_per_s, step_s, planner_wait_s, ...), in step order."""
 
+    @property
+    def losses(self) -> list[float]:
+        return [h["loss"] for h in self.history]
+
     def to_json_dict(self) -> dict[str, Any]:
-        """The public `train --json` summary: the totals, without the per-step lists."""
+        """The public `train --json` summary: the totals, without the per-step history."""
         result = asdict(self)
-        del result["losses"], result["history"]
+        del result["history"]
         return result
 
 
@@ -164,6 +167,6 @@ def train(config: SkrullConfig, *, progress: bool = True, worker_logs: bool = Tr
         steps=len(history), samples=sum(int(h["samples"]) for h in history),
         tokens=sum(int(h["tokens"]) for h in history), loss_first=history[0]["loss"],
         loss_last=history[-1]["loss"], tokens_per_s=sum(h["tokens"] for h in history) / max(total_time, 1e-9),
-        checkpoint=checkpoint, run_dir=str(run_dir), losses=[h["loss"] for h in history],
+        checkpoint=checkpoint, run_dir=str(run_dir),
         history=[dict(h) for h in history],
     )
