@@ -15,6 +15,7 @@ from typing import Any
 
 from app.config import ConfigError, SkrullConfig
 from app.deepspeed_config import deepspeed_config
+from app.model_args import model_build_kwargs
 from app.preflight import preflight, run_directory, run_name
 
 
@@ -91,22 +92,8 @@ def _planner(config: SkrullConfig, total_steps: int) -> Any:
 def _worker_settings(config: SkrullConfig, planner: Any, total_steps: int, run_dir: str) -> Any:
     from workers.train_loop import WorkerSettings
 
-    m = config.model
-    vocab_size = m.vocab_size
-    if not vocab_size and m.name_or_path.startswith("tiny-"):
-        from app.data.tokenizer import load_tokenizer
-
-        # A random-init preset must cover every id the configured tokenizer emits.
-        vocab_size = load_tokenizer(config.data.tokenizer).vocab_size
-    model = {
-        "name_or_path": m.name_or_path, "random_init": m.random_init, "dtype": m.dtype,
-        "vocab_size": vocab_size, "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.num_key_value_heads, "hidden_size": m.hidden_size,
-        "num_layers": m.num_layers, "intermediate_size": m.intermediate_size, "seed": config.train.seed,
-        "activation_checkpointing": config.train.activation_checkpointing,
-    }
     return WorkerSettings(
-        model=model, deepspeed=deepspeed_config(config, on_gpu=_use_gpu(config)),
+        model=model_build_kwargs(config), deepspeed=deepspeed_config(config, on_gpu=_use_gpu(config)),
         cp_size=config.parallel.cp_size, total_steps=total_steps,
         loss_chunk_tokens=config.train.loss_chunk_tokens, checkpoint_every=config.train.checkpoint_every,
         run_dir=run_dir, planner=planner, seed=config.train.seed,

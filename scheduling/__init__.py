@@ -7,6 +7,7 @@
     baselines.py     every policy behind plan_step (static CP, sorted, round-robin, ablations)
     simulate.py      modeled step time, perfect-balance bound, imbalances
     distributions.py seeded synthetic lengths of the paper's three datasets
+    calibrate.py     fit a profile's mfu / micro-batch launch from measured times (bench compute)
 
 No ray / torch / deepspeed import anywhere in this package (only scheduling/actor.py touches Ray, and it
 is not imported here).

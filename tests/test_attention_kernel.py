@@ -11,6 +11,7 @@ import torch
 from mp_utils import excess, sdpa_reference
 
 from workers.attention import DacpLayout, dacp_attention, get_kernel
+from workers.attention.kernels import auto_backend
 
 SCALE = 0.25
 
@@ -70,21 +71,58 @@ def test_empty_stream_and_bad_inputs() -> None:
         get_kernel("triton")
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flash-attn")
-def test_flash_backend_matches_torch_backend() -> None:
-    pytest.importorskip("flash_attn")
-    lengths = [1, 17, 64]
-    seqs = _seqs(lengths, 4, 2, torch.bfloat16)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_auto_backend_is_torch_on_cpu() -> None:
+    assert auto_backend(torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="model.dtype=bf16"):
+        get_kernel("torch-flash").forward(*(torch.zeros(2, 2, 8),) * 3, [0, 2], [0, 2], causal=True,
+                                          scale=SCALE)
+
+
+def _check_kernel_against_sdpa(kernel, lengths, heads, groups, tol) -> None:
+    """One varlen causal call over all `lengths` (CUDA, bf16) vs fp32 SDPA per sequence."""
+    seqs = _seqs(lengths, heads, groups, torch.bfloat16, seed=3)
     q, k, v, dout = (torch.cat([s[i] for s in seqs]).cuda() for i in range(4))
-    cu = [0, 1, 18, 82]
-    flash, ref = get_kernel("flash"), get_kernel("torch")
-    out_f, lse_f = flash.forward(q, k, v, cu, cu, causal=True, scale=SCALE)
-    out_t, lse_t = ref.forward(q.cpu(), k.cpu(), v.cpu(), cu, cu, causal=True, scale=SCALE)
-    assert excess(out_f.cpu(), out_t, 2.5e-2, 2.5e-2) <= 0
-    assert excess(lse_f.cpu(), lse_t, 2.5e-2, 2.5e-2) <= 0
-    grads_f = flash.backward(dout, q, k, v, out_f, lse_f, cu, cu, causal=True, scale=SCALE)
-    grads_t = ref.backward(dout.cpu(), q.cpu(), k.cpu(), v.cpu(), out_t, lse_t, cu, cu, causal=True,
-                           scale=SCALE)
-    for gf, gt in zip(grads_f, grads_t, strict=True):
-        assert excess(gf.cpu().float(), gt.float(), 5e-2, 5e-2) <= 0
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    out, lse = kernel.forward(q, k, v, cu, cu, causal=True, scale=SCALE)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, cu, cu, causal=True, scale=SCALE)
+    refs = [sdpa_reference(*s, SCALE) for s in seqs]
+    ref = {name: torch.cat([r[name] for r in refs]) for name in ("out", "lse", "dq", "dk", "dv")}
+    ours = {"out": out, "lse": lse.T, "dq": dq, "dk": dk, "dv": dv}
+    for name, value in ours.items():
+        assert value.shape == ref[name].shape, name
+        assert excess(value.detach().float().cpu(), ref[name], tol, tol) <= 0, f"{name} beyond {tol}"
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("heads,groups", [(4, 1), (4, 2), (2, 2)])
+def test_torch_flash_backend_matches_sdpa(heads, groups) -> None:
+    _check_kernel_against_sdpa(get_kernel("torch-flash"), [1, 2, 17, 64, 300, 3], heads, groups, 2.5e-2)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_dacp_attention_on_cuda_matches_sdpa() -> None:
+    """The auto backend on CUDA through dacp_attention: local varlen plus a cp_size=1 distributed part."""
+    lengths = [5, 40, 8]  # seqs 0-1 local, seq 2 distributed as 2 chunks of 4
+    seqs = _seqs(lengths, 4, 2, torch.bfloat16, seed=4)
+    q, k, v, dout = (torch.cat([s[i] for s in seqs]).cuda() for i in range(4))
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    layout = DacpLayout(cp_size=1, local_lens=(5, 40), dist_chunk_lens=(4,))
+    out, lse = dacp_attention(q, k, v, layout, None, scale=SCALE)
+    out.backward(dout)
+    refs = [sdpa_reference(*s, SCALE) for s in seqs]
+    ref = {name: torch.cat([r[name] for r in refs]) for name in ("out", "lse", "dq", "dk", "dv")}
+    ours = {"out": out, "lse": lse.T, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    for name, value in ours.items():
+        assert excess(value.detach().float().cpu(), ref[name], 2.5e-2, 2.5e-2) <= 0, name
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_flash_attn_backend_matches_sdpa() -> None:
+    pytest.importorskip("flash_attn")
+    _check_kernel_against_sdpa(get_kernel("flash"), [1, 17, 64], 4, 2, 2.5e-2)

@@ -1,4 +1,4 @@
-"""`python -m app bench planner|attention`: planning latency, and the DACP attention overlap benchmark.
+"""`python -m app bench planner|compute|attention`: planning latency, compute profile, DACP overlap.
 
 `bench planner` times GDS + DACP (the skrull policy) on one global batch of synthetic LMsysChat1M-like
 lengths for (sequences, ranks) = (64, 8), (256, 32), (1024, 128), (4096, 1024), with CP = 8 (so DP =
@@ -23,6 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     planner.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     planner.add_argument("--repeats", type=int, default=50, help="global batches planned per case")
     planner.set_defaults(_bench=_run_planner)
+    compute = sub.add_parser("compute", help="micro-batch compute time on one device, fitted to the profile")
+    try:
+        from app.commands.bench_compute import add_arguments as add_compute_arguments
+    except ImportError as err:
+        compute.set_defaults(_bench=_missing(err))
+    else:
+        add_compute_arguments(compute)
+        compute.set_defaults(_bench=_run_compute)
     attention = sub.add_parser("attention", help="DACP attention: local/ring overlap on CPU (gloo)")
     try:
         from workers.bench_attention import add_arguments as add_attention_arguments
@@ -35,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _missing(err: ImportError):
     def run(args: argparse.Namespace) -> int:
-        print(f"skrull bench attention: unavailable ({err})")
+        print(f"skrull bench: unavailable ({err})")
         return 1
     return run
 
@@ -44,6 +52,12 @@ def _run_attention(args: argparse.Namespace) -> int:
     from workers.bench_attention import run as run_attention
 
     return int(run_attention(args) or 0)
+
+
+def _run_compute(args: argparse.Namespace) -> int:
+    from app.commands.bench_compute import run as run_compute
+
+    return run_compute(args)
 
 
 def planner_latency(sequences: int, ranks: int, repeats: int) -> dict[str, float]:

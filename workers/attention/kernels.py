@@ -16,11 +16,16 @@ Backends:
 - "torch" (CPU): one call of aten's flash-attention-for-CPU op per segment (O(len^2) per segment,
   never a dense T x T mask over the packed stream). GQA is expanded per segment inside the kernel
   only; what travels over the ring stays G-headed.
-- "flash" (CUDA): flash-attn 2 varlen forward/backward, imported lazily.
+- "torch-flash" (CUDA, bf16/fp16): PyTorch's own FlashAttention-2 varlen op (aten._flash_attention_forward
+  / _backward), one call for all segments, GQA native; needs nothing beyond a CUDA build of torch.
+- "flash" (CUDA): the flash-attn 2 package's varlen forward/backward, imported lazily (`[gpu]` extra).
+- "auto": flash when flash-attn imports and the tensors are on CUDA, torch-flash on CUDA otherwise,
+  torch on CPU.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -105,6 +110,63 @@ class TorchCpuKernel:
         return dq_THD, dk_KGD, dv_KGD
 
 
+def _cu_tensor(cu: Cu, device: torch.device) -> tuple[torch.Tensor, int]:
+    """cu_seqlens as int32 on `device`, and the longest segment (both varlen CUDA ops want them)."""
+    cu_t = torch.tensor(list(cu), dtype=torch.int32, device=device)
+    max_len = max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=0)
+    return cu_t, max_len
+
+
+def _empty_forward(q_THD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """No queries or no keys: zero output and lse = -inf (an empty block that a merge ignores)."""
+    lse_HT = torch.full((q_THD.shape[1], q_THD.shape[0]), float("-inf"), dtype=torch.float32,
+                        device=q_THD.device)
+    return torch.zeros_like(q_THD), lse_HT
+
+
+class TorchFlashKernel:
+    """PyTorch's built-in FlashAttention-2 varlen kernel (CUDA). lse_HT is [H, total_q] fp32.
+
+    With dropout 0 the op's RNG state is never read, so backward passes an empty one.
+    """
+
+    @staticmethod
+    def _check(q_THD: torch.Tensor) -> None:
+        if not q_THD.is_cuda or q_THD.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"the 'torch-flash' attention backend needs bf16/fp16 CUDA tensors, got {q_THD.dtype} on "
+                f"{q_THD.device}: set model.dtype=bf16 (or use the 'torch' backend on CPU)"
+            )
+
+    def forward(self, q_THD, k_KGD, v_KGD, cu_q, cu_k, *, causal, scale):
+        if q_THD.shape[0] == 0 or k_KGD.shape[0] == 0:
+            return _empty_forward(q_THD)
+        self._check(q_THD)
+        cq, mq = _cu_tensor(cu_q, q_THD.device)
+        ck, mk = _cu_tensor(cu_k, q_THD.device)
+        out, lse = torch.ops.aten._flash_attention_forward(
+            q_THD, k_KGD, v_KGD, cq, ck, mq, mk, 0.0, causal, False, scale=scale,
+        )[:2]
+        if lse.shape != (q_THD.shape[1], q_THD.shape[0]):
+            # The ring's merge relies on the unpadded [H, total_q] layout; older builds padded it.
+            raise RuntimeError(f"aten._flash_attention_forward returned lse of shape {tuple(lse.shape)}, "
+                               f"expected [H, total_q]: use the 'flash' backend (pip install '.[gpu]')")
+        return out, lse.float()
+
+    def backward(self, dout_THD, q_THD, k_KGD, v_KGD, out_THD, lse_HT, cu_q, cu_k, *, causal, scale):
+        if q_THD.shape[0] == 0 or k_KGD.shape[0] == 0:
+            return torch.zeros_like(q_THD), torch.zeros_like(k_KGD), torch.zeros_like(v_KGD)
+        self._check(q_THD)
+        cq, mq = _cu_tensor(cu_q, q_THD.device)
+        ck, mk = _cu_tensor(cu_k, q_THD.device)
+        unused = torch.empty(0, dtype=torch.int64, device=q_THD.device)
+        rng_state = torch.zeros(2, dtype=torch.int64, device=q_THD.device)
+        return torch.ops.aten._flash_attention_backward(
+            dout_THD.contiguous(), q_THD, k_KGD, v_KGD, out_THD.contiguous(), lse_HT.contiguous(), cq, ck,
+            mq, mk, 0.0, causal, rng_state, unused, scale=scale,
+        )
+
+
 class FlashAttnKernel:
     """flash-attn 2 varlen (CUDA). lse_HT is flash-attn's softmax_lse layout [H, total_q], fp32."""
 
@@ -118,17 +180,11 @@ class FlashAttnKernel:
             ) from err
         self._fai = fai
 
-    @staticmethod
-    def _cu(cu: Cu, device: torch.device) -> tuple[torch.Tensor, int]:
-        cu_t = torch.tensor(list(cu), dtype=torch.int32, device=device)
-        max_len = max((b - a for a, b in zip(cu[:-1], cu[1:], strict=True)), default=0)
-        return cu_t, max_len
-
     def forward(self, q_THD, k_KGD, v_KGD, cu_q, cu_k, *, causal, scale):
         if q_THD.shape[0] == 0 or k_KGD.shape[0] == 0:
-            return TorchCpuKernel().forward(q_THD, k_KGD, v_KGD, cu_q, cu_k, causal=causal, scale=scale)
-        cq, mq = self._cu(cu_q, q_THD.device)
-        ck, mk = self._cu(cu_k, q_THD.device)
+            return _empty_forward(q_THD)
+        cq, mq = _cu_tensor(cu_q, q_THD.device)
+        ck, mk = _cu_tensor(cu_k, q_THD.device)
         out, lse, _ = self._fai.flash_attn_varlen_func(
             q_THD, k_KGD, v_KGD, cq, ck, mq, mk, dropout_p=0.0, softmax_scale=scale, causal=causal,
             return_attn_probs=True,
@@ -139,8 +195,8 @@ class FlashAttnKernel:
         dq, dk, dv = torch.zeros_like(q_THD), torch.zeros_like(k_KGD), torch.zeros_like(v_KGD)
         if q_THD.shape[0] == 0 or k_KGD.shape[0] == 0:
             return dq, dk, dv
-        cq, mq = self._cu(cu_q, q_THD.device)
-        ck, mk = self._cu(cu_k, q_THD.device)
+        cq, mq = _cu_tensor(cu_q, q_THD.device)
+        ck, mk = _cu_tensor(cu_k, q_THD.device)
         self._fai._flash_attn_varlen_backward(
             dout_THD.contiguous(), q_THD, k_KGD, v_KGD, out_THD, lse_HT.contiguous(), dq, dk, dv,
             cq, ck, mq, mk, 0.0, scale, causal, -1, -1, 0.0, None, False,
@@ -148,17 +204,30 @@ class FlashAttnKernel:
         return dq, dk, dv
 
 
-_KERNELS: dict[str, type] = {"torch": TorchCpuKernel, "flash": FlashAttnKernel}
+_KERNELS: dict[str, type] = {"torch": TorchCpuKernel, "torch-flash": TorchFlashKernel,
+                              "flash": FlashAttnKernel}
 
 
 def get_kernel(name: str) -> VarlenKernel:
-    """Kernel by name: torch | flash | auto (flash on CUDA tensors, torch otherwise)."""
+    """Kernel by name: torch | torch-flash | flash."""
     if name not in _KERNELS:
         raise ValueError(f"attention backend {name!r} is not one of: auto, {', '.join(_KERNELS)}")
     return _KERNELS[name]()
 
 
+@functools.cache
+def _flash_attn_installed() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("flash_attn") is not None
+
+
+def auto_backend(device: torch.device) -> str:
+    """flash (flash-attn installed) or torch-flash on CUDA; torch on CPU."""
+    if device.type != "cuda":
+        return "torch"
+    return "flash" if _flash_attn_installed() else "torch-flash"
+
+
 def kernel_for(device: torch.device, name: str = "auto") -> VarlenKernel:
-    if name == "auto":
-        name = "flash" if device.type == "cuda" else "torch"
-    return get_kernel(name)
+    return get_kernel(auto_backend(device) if name == "auto" else name)

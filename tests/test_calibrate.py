@@ -1,0 +1,56 @@
+"""scheduling.calibrate.fit_compute recovers a profile's mfu and launch cost, and `bench compute` runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from app.__main__ import main
+from scheduling import CostModel, HardwareProfile
+from scheduling.calibrate import fit_compute
+
+
+def test_fit_recovers_the_profile_that_generated_the_times() -> None:
+    truth = dataclasses.replace(HardwareProfile(), mfu=0.31, micro_batch_launch_s=0.007)
+    cost = CostModel.from_model_dims(hidden_size=896, kv_hidden_size=128, num_layers=24, profile=truth)
+    flops = [sum(cost.flops(n) for n in lengths) for lengths in ([512] * 8, [4096], [16384], [2048] * 4)]
+    seconds = [cost.t_comp(f) + truth.micro_batch_launch_s for f in flops]
+    fit = fit_compute(flops, seconds, HardwareProfile())
+    assert fit.mfu == pytest.approx(0.31, rel=1e-9)
+    assert fit.micro_batch_launch_s == pytest.approx(0.007, rel=1e-6)
+    assert fit.max_rel_residual < 1e-9
+    assert fit.predict(flops[1]) == pytest.approx(seconds[1])
+
+
+def test_fit_reports_nonlinearity_and_clips_a_negative_intercept() -> None:
+    fit = fit_compute([1e12, 2e12, 3e12, 4e12], [0.9, 2.0, 2.9, 4.2], HardwareProfile())
+    assert fit.intercept_s < 0 and fit.micro_batch_launch_s == 0.0
+    assert fit.max_rel_residual == pytest.approx(0.14 / 2.9)
+
+
+@pytest.mark.parametrize("flops,seconds,match", [
+    ([1e12], [1.0], "at least two"),
+    ([1e12, 1e12], [1.0, 2.0], "different FLOPs"),
+    ([1e12, 2e12], [1.0, 0.0], "positive times"),
+    ([1e12, 2e12], [2.0, 1.0], "--max-tokens"),
+])
+def test_fit_rejects_unusable_measurements(flops, seconds, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        fit_compute(flops, seconds, HardwareProfile())
+
+
+@pytest.mark.slow
+def test_bench_compute_smoke(capsys) -> None:
+    tiny = ["model.hidden_size=32", "model.num_layers=1", "model.num_attention_heads=2",
+            "model.num_key_value_heads=1", "model.intermediate_size=64", "model.vocab_size=256"]
+    args = ["bench", "compute", "--config", "configs/tiny-cpu.yaml", "--device", "cpu", "--max-tokens", "256",
+            "--repeats", "1", "--json"]
+    code = main(args + [x for item in tiny for x in ("--set", item)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0
+    assert [r["tokens"] for r in report["rows"]] == [32, 32, 64, 64, 128, 128, 256, 256]
+    assert all(r["seconds_median"] > 0 and r["flops"] > 0 for r in report["rows"])
+    assert report["fit"]["mfu"] > 0 and report["fit"]["max_rel_residual"] >= 0
+    assert report["profile_values"]["mfu"] > 0

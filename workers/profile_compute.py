@@ -1,0 +1,69 @@
+"""Measure forward+backward time of the model on packed single-device streams (`skrull bench compute`).
+
+Each case is a list of sequence lengths packed into one stream and run exactly as a worker runs a
+micro-batch with every sequence local (DACP attention, chunked loss, backward), with no process group:
+what is timed is compute plus kernel launches, not communication. Cases differ both in tokens and in
+how long their sequences are, so the fit sees the attention's S^2 term and the linear terms apart.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from scheduling import DacpPlan
+from workers.batch import build_rank_batch
+from workers.forward import micro_batch_loss_sum
+
+
+def compute_cases(max_tokens: int, short_len: int = 512) -> list[tuple[int, ...]]:
+    """For T in max_tokens/8, /4, /2, /1: one sequence of T, 8 of T/8, and T/short_len short ones."""
+    cases = []
+    for divisor in (8, 4, 2, 1):
+        tokens = max(16, max_tokens // divisor)
+        short = min(short_len, tokens)
+        for lengths in ((tokens,), (tokens // 8,) * 8, (short,) * max(1, tokens // short)):
+            if lengths not in cases and min(lengths) >= 1:
+                cases.append(lengths)
+    return cases
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_micro_batch(model: torch.nn.Module, lengths: Sequence[int], *, repeats: int, warmup: int = 1,
+                     loss_chunk_tokens: int = 4096, seed: int = 0) -> list[float]:
+    """Wall seconds of `repeats` forward+backward passes over one packed stream of `lengths`."""
+    device = model.get_input_embeddings().weight.device
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(seed)
+    ids = [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+    plan = DacpPlan(local=(tuple(range(len(lengths))),), distributed=())
+    batch = build_rank_batch(plan, ids, ids, cp_rank=0, cp_size=1).to(device)
+    times = []
+    for i in range(warmup + repeats):
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        start = time.perf_counter()
+        micro_batch_loss_sum(model, batch, loss_chunk_tokens=loss_chunk_tokens).backward()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_compute(model: torch.nn.Module, cases: Sequence[Sequence[int]], *, repeats: int,
+                    loss_chunk_tokens: int = 4096) -> list[dict]:
+    """Per case: lengths, tokens, median and min seconds over `repeats` (after one warm-up pass)."""
+    rows = []
+    for lengths in cases:
+        times = time_micro_batch(model, lengths, repeats=repeats, loss_chunk_tokens=loss_chunk_tokens)
+        rows.append({"lengths": list(lengths), "tokens": int(sum(lengths)),
+                     "seconds_median": statistics.median(times), "seconds_min": min(times)})
+    return rows
