@@ -43,14 +43,15 @@ def test_fit_rejects_unusable_measurements(flops, seconds, match) -> None:
 
 @pytest.mark.slow
 def test_bench_compute_smoke(capsys) -> None:
-    tiny = ["model.hidden_size=32", "model.num_layers=1", "model.num_attention_heads=2",
-            "model.num_key_value_heads=1", "model.intermediate_size=64", "model.vocab_size=256"]
-    args = ["bench", "compute", "--config", "configs/tiny-cpu.yaml", "--device", "cpu", "--max-tokens", "256",
-            "--repeats", "1", "--json"]
+    # Large enough (4096 tokens, S^2 attention) that time grows with FLOPs well above timer noise.
+    tiny = ["model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=2",
+            "model.num_key_value_heads=1", "model.intermediate_size=128", "model.vocab_size=256"]
+    args = ["bench", "compute", "--config", "configs/tiny-cpu.yaml", "--device", "cpu",
+            "--max-tokens", "4096", "--repeats", "1", "--json"]
     code = main(args + [x for item in tiny for x in ("--set", item)])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0
-    assert [r["tokens"] for r in report["rows"]] == [32, 32, 64, 64, 128, 128, 256, 256]
+    assert [r["tokens"] for r in report["rows"]] == [512] * 2 + [1024] * 3 + [2048] * 3 + [4096] * 2
     assert all(r["seconds_median"] > 0 and r["flops"] > 0 for r in report["rows"])
     assert report["fit"]["mfu"] > 0 and report["fit"]["max_rel_residual"] >= 0
     assert report["profile_values"]["mfu"] > 0

@@ -76,7 +76,7 @@ def measure(args: argparse.Namespace) -> dict:
     profile = cost.profile
     return {
         "device": _device_name(device), "dtype": config.model.dtype, "model": config.model.name_or_path,
-        "profile": profile.name, "rows": rows,
+        "profile": profile.name, "peak_flops": profile.peak_flops, "rows": rows,
         "fit": {"mfu": fit.mfu, "micro_batch_launch_s": fit.micro_batch_launch_s,
                 "intercept_s": fit.intercept_s, "max_rel_residual": fit.max_rel_residual},
         "profile_values": {"mfu": profile.mfu, "micro_batch_launch_s": profile.micro_batch_launch_s},
@@ -100,6 +100,9 @@ def _print(result: dict, command: str) -> None:
         print(f"warning: T is not linear in the paper's FLOPs here (residual > {RESIDUAL_WARNING:.0%}): "
               "small models spend most of their time in the embedding / LM head, which the formula leaves "
               "out; treat the fitted values as rough")
+    if fit["mfu"] > 1:
+        print(f"warning: fitted mfu > 1: the profile's peak_flops ({result['peak_flops']:.3g} FLOP/s) is "
+              "below what this device sustains; correct peak_flops first")
     today = datetime.date.today().isoformat()
     source = f"measured by `{command}` on {result['device']}, {today}"
     print(f"mfu: {fit['mfu']:.4g}                   # {source} (profile had {old['mfu']:g})")
