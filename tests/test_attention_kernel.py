@@ -31,8 +31,7 @@ def test_local_varlen_matches_sdpa(dtype, tol, heads, groups) -> None:
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     out, lse = dacp_attention(q, k, v, DacpLayout(cp_size=1, local_lens=tuple(lengths)), None, scale=SCALE)
     out.backward(dout)
-    refs = [sdpa_reference(*s, SCALE) for s in seqs]
-    ref = {name: torch.cat([r[name] for r in refs]) for name in ("out", "lse", "dq", "dk", "dv")}
+    ref = _packed_sdpa_reference(seqs)
     ours = {"out": out, "lse": lse.T, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     for name, value in ours.items():
         assert excess(value.detach(), ref[name], tol, tol) <= 0, f"{name} out of tolerance {tol}"
@@ -81,6 +80,12 @@ def test_auto_backend_is_torch_on_cpu() -> None:
                                           scale=SCALE)
 
 
+def _packed_sdpa_reference(seqs) -> dict[str, torch.Tensor]:
+    """fp32 SDPA per sequence, concatenated in packed order: out, lse, dq, dk, dv."""
+    refs = [sdpa_reference(*s, SCALE) for s in seqs]
+    return {name: torch.cat([r[name] for r in refs]) for name in ("out", "lse", "dq", "dk", "dv")}
+
+
 def _check_kernel_against_sdpa(kernel, lengths, heads, groups, tol) -> None:
     """One varlen causal call over all `lengths` (CUDA, bf16) vs fp32 SDPA per sequence."""
     seqs = _seqs(lengths, heads, groups, torch.bfloat16, seed=3)
@@ -88,8 +93,7 @@ def _check_kernel_against_sdpa(kernel, lengths, heads, groups, tol) -> None:
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     out, lse = kernel.forward(q, k, v, cu, cu, causal=True, scale=SCALE)
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, cu, cu, causal=True, scale=SCALE)
-    refs = [sdpa_reference(*s, SCALE) for s in seqs]
-    ref = {name: torch.cat([r[name] for r in refs]) for name in ("out", "lse", "dq", "dk", "dv")}
+    ref = _packed_sdpa_reference(seqs)
     ours = {"out": out, "lse": lse.T, "dq": dq, "dk": dk, "dv": dv}
     for name, value in ours.items():
         assert value.shape == ref[name].shape, name
@@ -114,8 +118,7 @@ def test_dacp_attention_on_cuda_matches_sdpa() -> None:
     layout = DacpLayout(cp_size=1, local_lens=(5, 40), dist_chunk_lens=(4,))
     out, lse = dacp_attention(q, k, v, layout, None, scale=SCALE)
     out.backward(dout)
-    refs = [sdpa_reference(*s, SCALE) for s in seqs]
-    ref = {name: torch.cat([r[name] for r in refs]) for name in ("out", "lse", "dq", "dk", "dv")}
+    ref = _packed_sdpa_reference(seqs)
     ours = {"out": out, "lse": lse.T, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     for name, value in ours.items():
         assert excess(value.detach().float().cpu(), ref[name], 2.5e-2, 2.5e-2) <= 0, name

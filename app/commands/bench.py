@@ -12,6 +12,8 @@ import argparse
 import json
 import time
 
+from app.commands import bench_compute
+
 CASES = ((64, 8), (256, 32), (1024, 128), (4096, 1024))
 CP_SIZE = 8
 BUCKET_SIZE = 26000
@@ -24,13 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     planner.add_argument("--repeats", type=int, default=50, help="global batches planned per case")
     planner.set_defaults(_bench=_run_planner)
     compute = sub.add_parser("compute", help="micro-batch compute time on one device, fitted to the profile")
-    try:
-        from app.commands.bench_compute import add_arguments as add_compute_arguments
-    except ImportError as err:
-        compute.set_defaults(_bench=_missing(err))
-    else:
-        add_compute_arguments(compute)
-        compute.set_defaults(_bench=_run_compute)
+    bench_compute.add_arguments(compute)  # stdlib-only at import: torch loads when it runs
+    compute.set_defaults(_bench=bench_compute.run)
     attention = sub.add_parser("attention", help="DACP attention: local/ring overlap on CPU (gloo)")
     try:
         from workers.bench_attention import add_arguments as add_attention_arguments
@@ -43,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _missing(err: ImportError):
     def run(args: argparse.Namespace) -> int:
-        print(f"skrull bench: unavailable ({err})")
+        print(f"skrull bench attention: unavailable ({err})")
         return 1
     return run
 
@@ -52,12 +49,6 @@ def _run_attention(args: argparse.Namespace) -> int:
     from workers.bench_attention import run as run_attention
 
     return int(run_attention(args) or 0)
-
-
-def _run_compute(args: argparse.Namespace) -> int:
-    from app.commands.bench_compute import run as run_compute
-
-    return run_compute(args)
 
 
 def planner_latency(sequences: int, ranks: int, repeats: int) -> dict[str, float]:
