@@ -8,6 +8,7 @@ import yaml
 
 from app.config import CONFIG_DIR, ConfigError, ModelConfig, SkrullConfig
 from scheduling import CostModel, HardwareProfile
+from workers.presets import TINY_DEFAULTS, is_tiny_preset
 
 HARDWARE_DIR = CONFIG_DIR / "hardware"
 
@@ -36,9 +37,7 @@ def model_dims(model: ModelConfig) -> tuple[int, int, int]:
     """
     if model.hidden_size and model.kv_hidden_size and model.num_layers:
         return model.hidden_size, model.kv_hidden_size, model.num_layers
-    if model.name_or_path.startswith("tiny-"):
-        from workers.models import TINY_DEFAULTS
-
+    if is_tiny_preset(model.name_or_path):
         hidden = model.hidden_size or TINY_DEFAULTS["hidden_size"]
         heads = model.num_attention_heads or TINY_DEFAULTS["num_attention_heads"]
         kv_heads = model.num_key_value_heads or TINY_DEFAULTS["num_key_value_heads"]

@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from app.config import SkrullConfig
+from workers.presets import is_tiny_preset
 
 
 def model_build_kwargs(config: SkrullConfig) -> dict[str, Any]:
     m = config.model
     vocab_size = m.vocab_size
-    if not vocab_size and m.name_or_path.startswith("tiny-"):
+    if not vocab_size and is_tiny_preset(m.name_or_path):
         from app.data.tokenizer import load_tokenizer
 
         # A random-init preset must cover every id the configured tokenizer emits.

@@ -11,8 +11,8 @@ from datetime import datetime
 from pathlib import Path
 
 from app.config import ConfigError, SkrullConfig
+from workers.presets import TINY_PRESETS
 
-TINY_PRESETS = ("tiny-qwen2", "tiny-llama")
 # A Hugging Face hub id: "name" or "org/name", no path syntax.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 

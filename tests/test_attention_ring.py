@@ -15,7 +15,7 @@ import torch
 from mp_utils import excess, sdpa_reference
 
 from workers.batch import build_rank_batch
-from workers.launch import run_workers
+from workers.tools.launch import run_workers
 
 SCALE = 0.3
 TOL = {"fp32": 1e-5, "bf16": 2.5e-2}

@@ -15,7 +15,7 @@ from workers.batch import build_rank_batch
 from workers.forward import micro_batch_loss_sum
 from workers.loss import linear_cross_entropy_sum
 from workers.models import build_model
-from workers.parity import ParitySpec, run_parity
+from workers.tools.parity import ParitySpec, run_parity
 
 TOL = 1e-5
 

@@ -14,12 +14,10 @@ import os
 import torch
 
 from workers.attention import register_dacp_attention
+from workers.presets import TINY_DEFAULTS, is_tiny_preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-# Tiny presets: small enough for CPU tests (hidden 64, 2 layers), GQA on by default (4 heads, 2 KV heads).
-TINY_DEFAULTS = dict(vocab_size=512, hidden_size=64, num_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, intermediate_size=128)
 
 
 def _tiny_config(name: str, dims: dict[str, int]):
@@ -62,7 +60,7 @@ def build_model(
     attn = attn_implementation or register_dacp_attention()
     torch_dtype = DTYPES[dtype]
     torch.manual_seed(seed)
-    if name_or_path in ("tiny-qwen2", "tiny-llama"):
+    if is_tiny_preset(name_or_path):
         dims = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                     num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                     intermediate_size=intermediate_size)

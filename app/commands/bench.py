@@ -12,7 +12,7 @@ import argparse
 import json
 import time
 
-from app.commands import bench_compute
+from app.commands import bench_attention, bench_compute
 
 CASES = ((64, 8), (256, 32), (1024, 128), (4096, 1024))
 CP_SIZE = 8
@@ -29,26 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench_compute.add_arguments(compute)  # stdlib-only at import: torch loads when it runs
     compute.set_defaults(_bench=bench_compute.run)
     attention = sub.add_parser("attention", help="DACP attention: local/ring overlap on CPU (gloo)")
-    try:
-        from workers.bench_attention import add_arguments as add_attention_arguments
-    except ImportError as err:  # the attention benchmark lives in workers/; planner must work without it
-        attention.set_defaults(_bench=_missing(err))
-    else:
-        add_attention_arguments(attention)
-        attention.set_defaults(_bench=_run_attention)
-
-
-def _missing(err: ImportError):
-    def run(args: argparse.Namespace) -> int:
-        print(f"skrull bench attention: unavailable ({err})")
-        return 1
-    return run
-
-
-def _run_attention(args: argparse.Namespace) -> int:
-    from workers.bench_attention import run as run_attention
-
-    return int(run_attention(args) or 0)
+    bench_attention.add_arguments(attention)  # stdlib-only at import: torch loads when it runs
+    attention.set_defaults(_bench=bench_attention.run)
 
 
 def planner_latency(sequences: int, ranks: int, repeats: int) -> dict[str, float]:

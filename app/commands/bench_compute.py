@@ -55,7 +55,7 @@ def measure(args: argparse.Namespace) -> dict:
     from app.model_args import model_build_kwargs
     from scheduling.calibrate import fit_compute
     from workers.models import build_model
-    from workers.profile_compute import compute_cases, measure_compute
+    from workers.tools.profile_compute import compute_cases, measure_compute
 
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")

@@ -12,6 +12,7 @@ import argparse
 import json
 
 from app.commands.common import add_config_arguments, add_json_argument
+from workers.presets import is_tiny_preset
 
 NUM_SAMPLED = 8
 
@@ -55,7 +56,7 @@ def _model_kwargs(cfg) -> tuple[tuple[str, int], ...]:
     dims = dict(vocab_size=m.vocab_size, num_attention_heads=m.num_attention_heads,
                 num_key_value_heads=m.num_key_value_heads, hidden_size=m.hidden_size,
                 num_layers=m.num_layers, intermediate_size=m.intermediate_size)
-    if m.name_or_path not in ("tiny-qwen2", "tiny-llama"):
+    if not is_tiny_preset(m.name_or_path):
         dims = {"vocab_size": m.vocab_size, "random_init": m.random_init}
     return tuple((k, v) for k, v in dims.items() if v)
 
@@ -76,7 +77,7 @@ def _print_table(result: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.commands.common import config_from_args
     from app.config import ConfigError
-    from workers.parity import ParitySpec, run_parity
+    from workers.tools.parity import ParitySpec, run_parity
 
     cfg = config_from_args(args)
     model = args.model or cfg.model.name_or_path or "tiny-qwen2"

@@ -128,7 +128,7 @@ def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
     """Run the check; returns diffs, per-parameter stats, the plan and ok (within TOLERANCE)."""
     import torch
 
-    from workers.launch import run_workers
+    from workers.tools.launch import run_workers
 
     model = _build(spec)
     ids, labels = make_tokens(spec, model.config.vocab_size)

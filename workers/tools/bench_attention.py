@@ -1,4 +1,4 @@
-"""`python -m app bench attention`: DACP overlap vs the same work serialized vs static CP, on CPU/gloo.
+"""The measurement behind `python -m app bench attention`: DACP overlap vs serialized vs static CP.
 
 For each length mix, every rank times one attention forward+backward (random q/k/v, H query heads,
 G KV heads) of its stream under three executions of the same micro-batch:
@@ -14,25 +14,9 @@ machine the ranks share cores with gloo's I/O threads, so overlap gains are smal
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 
 MIXES = ("long-tail", "bimodal")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument("--cp", type=int, default=2, help="CP processes (default 2)")
-    parser.add_argument("--heads", type=int, default=8, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--num-seqs", type=int, default=16, help="sequences per micro-batch")
-    parser.add_argument("--max-len", type=int, default=6000, help="clip sampled lengths to this")
-    parser.add_argument("--bimodal-scale", type=float, default=0.1,
-                        help="multiply the bimodal mix's lengths (8K-32K documents are too slow on 2 cores)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per variant (after 1 warm-up)")
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def mix_lengths(mix: str, num: int, bimodal_scale: float, max_len: int, seed: int) -> list[int]:
@@ -106,20 +90,20 @@ def _bench_rank(rank: int, world: int, cases: dict, dims: tuple, repeats: int) -
     return results
 
 
-def run(args: argparse.Namespace) -> int:
-    from app.config import ConfigError
-    from workers.launch import run_workers
+def run_benchmark(*, cp: int, heads: int, kv_heads: int, head_dim: int, num_seqs: int, max_len: int,
+                  bimodal_scale: float, repeats: int, seed: int) -> dict:
+    """Time every variant on every mix over `cp` gloo processes; the report `bench attention` prints."""
+    from workers.tools.launch import run_workers
 
-    if args.cp < 2:
-        raise ConfigError("bench attention needs --cp >= 2 (there is no ring to overlap with one rank)")
-    dims = (args.heads, args.kv_heads, args.head_dim)
+    if cp < 2:
+        raise ValueError("bench attention needs --cp >= 2 (there is no ring to overlap with one rank)")
+    dims = (heads, kv_heads, head_dim)
     cases = {}
     for mix in MIXES:
-        lengths = mix_lengths(mix, args.num_seqs, args.bimodal_scale, args.max_len, args.seed)
-        cases[mix] = (lengths, plans_for(lengths, args.cp, *dims))
-    timings = run_workers(_bench_rank, args.cp, args=(cases, dims, args.repeats), backend="gloo")[0]
-    report = {"cp": args.cp, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-              "mixes": {}}
+        lengths = mix_lengths(mix, num_seqs, bimodal_scale, max_len, seed)
+        cases[mix] = (lengths, plans_for(lengths, cp, *dims))
+    timings = run_workers(_bench_rank, cp, args=(cases, dims, repeats), backend="gloo")[0]
+    report = {"cp": cp, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "mixes": {}}
     for mix, t in timings.items():
         lengths, plans = cases[mix]
         report["mixes"][mix] = {
@@ -128,14 +112,4 @@ def run(args: argparse.Namespace) -> int:
             "serialized_over_dacp": round(t["serialized"] / t["dacp"], 3),
             "static_cp_over_dacp": round(t["static_cp"] / t["dacp"], 3),
         }
-    if args.json:
-        print(json.dumps(report))
-        return 0
-    print(f"DACP attention fwd+bwd, CP={args.cp} (gloo), H={args.heads} G={args.kv_heads} D={args.head_dim}; "
-          "median over repeats of the slowest rank")
-    for mix, r in report["mixes"].items():
-        print(f"{mix:>9}: {len(r['lengths'])} seqs, {sum(r['lengths'])} tokens, {len(r['distributed'])} "
-              f"distributed | dacp {r['ms']['dacp']} ms, serialized {r['ms']['serialized']} ms, static CP "
-              f"{r['ms']['static_cp']} ms | serialized/dacp {r['serialized_over_dacp']}x, "
-              f"static_cp/dacp {r['static_cp_over_dacp']}x")
-    return 0
+    return report
