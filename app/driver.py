@@ -1,21 +1,28 @@
-"""The `train` driver: preflight, Ray, data scan, planner actor, Ray Train workers, summary.
+"""The `train` driver: preflight, Ray, tokenize once, planner actor, Ray Train workers, summary.
 
-    preflight (no Ray) ─▶ ray.init (embedded, or RAY_ADDRESS) ─▶ scan_dataset (too long? empty?)
-        ─▶ PlannerActor(tokenized_dataset) ─▶ TorchTrainer(train_loop_per_worker).fit() ─▶ TrainSummary
+    preflight (no Ray) ─▶ ray.init (embedded, or RAY_ADDRESS) ─▶ tokenized_dataset(...).materialize()
+        ─▶ scan_dataset (too long? empty?) ─▶ PlannerActor(the same materialized blocks)
+        ─▶ TorchTrainer(train_loop_per_worker).fit() ─▶ TrainSummary
+
+The dataset is tokenized once per run: the scan and the planner's stream read the same materialized blocks
+(the object store spills them to disk when they outgrow memory).
 
 Resources on a small machine: Ray Data's file-listing task needs one whole CPU even when every worker holds
-a fraction, so an embedded Ray declares more logical CPUs than cores (cores + 2 by default; STACK_NOTES).
+a fraction, so an embedded Ray declares more logical CPUs than cores (cores + 2 by default; docs/design.md
+§9).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 from app.config import ConfigError, SkrullConfig
-from app.deepspeed_config import deepspeed_config
-from app.model_args import model_build_kwargs
 from app.preflight import preflight, run_directory, run_name
 
 
@@ -43,19 +50,32 @@ class TrainSummary:
         return result
 
 
-def start_ray(config: SkrullConfig, *, worker_logs: bool = True) -> None:
-    """Connect to RAY_ADDRESS's cluster, or start an embedded one sized for Ray Data + planner + workers."""
+@contextlib.contextmanager
+def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[None]:
+    """Join RAY_ADDRESS's cluster, or start an embedded one sized for Ray Data + planner + workers.
+
+    A Ray that is already initialized in this process is used as it is (and left running). An embedded Ray
+    never attaches to another Ray on the machine by accident (`address="local"`), and while it runs
+    RAY_ADDRESS names it, so that Ray Train's helper processes find this instance and not another one.
+    """
     import ray
 
     if ray.is_initialized():
+        yield
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=worker_logs)
-        return
-    num_cpus = config.resources.num_cpus or (os.cpu_count() or 1) + 2
-    # The dashboard's state API is what Ray Train's placement-group cleaner polls; without it, it logs a
-    # warning every few seconds.
-    ray.init(num_cpus=num_cpus, log_to_driver=worker_logs)
+    previous = os.environ.get("RAY_ADDRESS")
+    if previous:
+        ray.init(address=previous, log_to_driver=worker_logs)
+    else:
+        num_cpus = config.resources.num_cpus or (os.cpu_count() or 1) + 2
+        context = ray.init(address="local", num_cpus=num_cpus, log_to_driver=worker_logs)
+        os.environ["RAY_ADDRESS"] = context.address_info["address"]
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if previous is None:
+            os.environ.pop("RAY_ADDRESS", None)
 
 
 def _use_gpu(config: SkrullConfig) -> bool:
@@ -74,8 +94,7 @@ def _total_steps(config: SkrullConfig, usable_rows: int) -> int:
     return steps
 
 
-def _planner(config: SkrullConfig, total_steps: int) -> Any:
-    from app.data.pipeline import tokenized_dataset
+def _planner(config: SkrullConfig, dataset: Any, total_steps: int) -> Any:
     from app.hardware import cost_model_from_config
     from scheduling.actor import PlannerActor, PlannerSettings
 
@@ -86,22 +105,26 @@ def _planner(config: SkrullConfig, total_steps: int) -> Any:
         seed=sched.seed, static_cp_micro_batch=sched.static_cp_micro_batch,
     )
     actor = PlannerActor.options(num_cpus=config.resources.planner_cpus)
-    return actor.remote(tokenized_dataset(config), settings, cost_model_from_config(config))
+    return actor.remote(dataset, settings, cost_model_from_config(config.model, config.hardware))
 
 
 def _worker_settings(config: SkrullConfig, planner: Any, total_steps: int, run_dir: str) -> Any:
+    from app.deepspeed_config import deepspeed_config
+    from app.model_args import model_spec
     from workers.train_loop import WorkerSettings
 
+    train = config.train
     return WorkerSettings(
-        model=model_build_kwargs(config), deepspeed=deepspeed_config(config, on_gpu=_use_gpu(config)),
-        cp_size=config.parallel.cp_size, total_steps=total_steps,
-        loss_chunk_tokens=config.train.loss_chunk_tokens, checkpoint_every=config.train.checkpoint_every,
-        run_dir=run_dir, planner=planner, seed=config.train.seed,
+        model=model_spec(config.model, train, tokenizer=config.data.tokenizer),
+        deepspeed=deepspeed_config(train, dtype=config.model.dtype, on_gpu=_use_gpu(config)),
+        cp_size=config.parallel.cp_size, total_steps=total_steps, loss_chunk_tokens=train.loss_chunk_tokens,
+        checkpoint_every=train.checkpoint_every, log_every=train.log_every, run_dir=run_dir,
+        planner=planner, seed=train.seed,
     )
 
 
 def _trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any) -> Any:
-    from ray.train import LoggingConfig, RunConfig, ScalingConfig
+    from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from app.monitor import ProgressCallback
@@ -119,41 +142,60 @@ def _trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any) -> An
         scaling_config=ScalingConfig(num_workers=config.parallel.num_workers, use_gpu=_use_gpu(config),
                                      resources_per_worker=per_worker),
         run_config=RunConfig(name=name, storage_path=str(os.path.abspath(config.run.storage_path)),
-                             callbacks=[ProgressCallback(monitor)],
-                             # Ray Train logs every report at INFO; our progress bar already shows them.
-                             logging_config=LoggingConfig(log_level="WARNING")),
+                             callbacks=[ProgressCallback(monitor)]),
     )
 
 
-def train(config: SkrullConfig, *, progress: bool = True, worker_logs: bool = True) -> TrainSummary:
-    """Run a whole training job; raises ConfigError (or a subclass) on bad input before workers start."""
+def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, worker_logs: bool = True,
+          out: TextIO | None = None) -> TrainSummary:
+    """Run a whole training job; raises ConfigError (or a subclass) on bad input before workers start.
+
+    quiet: everything the libraries print goes to <run_dir>/logs/driver.log (app/console.py) and the
+    terminal shows only the data summary, the progress bar and warnings; `out` is where those go.
+    """
+    from app.console import captured_output
+
     preflight(config)
     name = run_name(config)
     run_dir = run_directory(config, name)
-    start_ray(config, worker_logs=worker_logs)
+    capture = captured_output(run_dir / "logs" / "driver.log") if quiet else contextlib.nullcontext(out)
+    with capture as terminal:
+        return _run(config, name, run_dir, progress=progress, worker_logs=worker_logs,
+                    out=terminal or sys.stderr)
 
-    from app.data.pipeline import scan_dataset
-    from app.monitor import ProgressBar, RunMonitor
 
-    scan = scan_dataset(config)
-    if progress:
-        print(scan.summary(), flush=True)
-    total_steps = _total_steps(config, len(scan.lengths))
-    planner = _planner(config, total_steps)
-    monitor = RunMonitor.remote()
-    settings = _worker_settings(config, planner, total_steps, str(run_dir))
-    trainer = _trainer(config, settings, name, monitor)
-    with ProgressBar(monitor, total_steps, enabled=progress) as bar:
-        result = trainer.fit()
-    history = bar.history
-    if not history:
-        raise RuntimeError("training reported no step; see the worker logs above")
-    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+def _run(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, worker_logs: bool,
+         out: TextIO) -> TrainSummary:
+    with ray_session(config, worker_logs=worker_logs):
+        history, checkpoint = _fit(config, name, run_dir, progress=progress, out=out)
     total_time = sum(h["step_s"] for h in history)
     return TrainSummary(
         steps=len(history), samples=sum(int(h["samples"]) for h in history),
         tokens=sum(int(h["tokens"]) for h in history), loss_first=history[0]["loss"],
         loss_last=history[-1]["loss"], tokens_per_s=sum(h["tokens"] for h in history) / max(total_time, 1e-9),
-        checkpoint=checkpoint, run_dir=str(run_dir),
-        history=[dict(h) for h in history],
+        checkpoint=checkpoint, run_dir=str(run_dir), history=[dict(h) for h in history],
     )
+
+
+def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool,
+         out: TextIO) -> tuple[list[dict[str, Any]], str | None]:
+    """Tokenize, scan, start the planner and the workers; (per-step metrics, final checkpoint path)."""
+    from app.data.pipeline import scan_dataset, tokenized_dataset
+    from app.monitor import ProgressBar, RunMonitor
+
+    dataset = tokenized_dataset(config.data, max_length=config.max_sequence_length,
+                                num_cpus=config.resources.data_cpus).materialize()
+    scan = scan_dataset(dataset, config.data, max_length=config.max_sequence_length)
+    if progress:
+        print(scan.summary(), file=out, flush=True)
+    total_steps = _total_steps(config, len(scan.lengths))
+    planner = _planner(config, dataset, total_steps)
+    monitor = RunMonitor.remote()
+    settings = _worker_settings(config, planner, total_steps, str(run_dir))
+    trainer = _trainer(config, settings, name, monitor)
+    with ProgressBar(monitor, total_steps, enabled=progress, file=out) as bar:
+        result = trainer.fit()
+    if not bar.history:
+        raise RuntimeError(f"training reported no step; see the log in {run_dir / 'logs'}")
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    return bar.history, checkpoint

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
-from app.config import CONFIG_DIR, ConfigError, ModelConfig, SkrullConfig
+from app.config import CONFIG_DIR, ConfigError, HardwareConfig, ModelConfig, load_yaml
 from scheduling import CostModel, HardwareProfile
 from workers.presets import TINY_DEFAULTS, is_tiny_preset
 
@@ -21,7 +19,9 @@ def load_hardware_profile(name_or_path: str) -> HardwareProfile:
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
         raise ConfigError(f"hardware.profile={name_or_path!r}: no such profile (known: {known}, or a path)")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = load_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"hardware.profile {path}: expected a mapping of profile fields, got {data!r}")
     try:
         return HardwareProfile.from_dict(data)
     except (TypeError, ValueError) as err:
@@ -57,20 +57,9 @@ def model_dims(model: ModelConfig) -> tuple[int, int, int]:
     return hf.hidden_size, kv_heads * head_dim, hf.num_hidden_layers
 
 
-def model_num_params(model: ModelConfig) -> int:
-    """model.num_params, or 0 to let CostModel.params estimate it from the dims (documented there).
-
-    Reading a hub model's weights just to count them would defeat a dry run, so the paper configs state
-    Qwen2.5's counts; tiny presets use the estimate (their Qwen-vocabulary embeddings dominate it).
-    """
-    if model.num_params < 0:
-        raise ConfigError(f"model.num_params must be >= 0, got {model.num_params}")
-    return model.num_params
-
-
-def cost_model_from_config(config: SkrullConfig) -> CostModel:
-    """The cost model of config.model's dimensions (and parameter count) on config.hardware.profile."""
-    hidden, kv_hidden, layers = model_dims(config.model)
+def cost_model_from_config(model: ModelConfig, hardware: HardwareConfig) -> CostModel:
+    """The cost model of the model's dimensions (and parameter count) on hardware.profile."""
+    hidden, kv_hidden, layers = model_dims(model)
     return CostModel.from_model_dims(hidden_size=hidden, kv_hidden_size=kv_hidden, num_layers=layers,
-                                     profile=load_hardware_profile(config.hardware.profile),
-                                     num_params=model_num_params(config.model))
+                                     profile=load_hardware_profile(hardware.profile),
+                                     num_params=model.num_params)

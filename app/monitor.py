@@ -1,14 +1,14 @@
 """Live progress from the workers to the driver's progress bar.
 
-Ray Train calls `ProgressCallback.after_report` in its controller once every worker has reported a step;
-the callback forwards world rank 0's metrics to a tiny `RunMonitor` actor that the driver polls. Nothing
-here is on the workers' hot path.
+Ray Train calls `ProgressCallback.after_report` in its controller once every worker has reported; the
+callback forwards world rank 0's per-step metrics (the report's "history": every step since the last
+report) to a tiny `RunMonitor` actor that the driver polls. Nothing here is on the workers' hot path.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, TextIO
 
 import ray
 from ray.train import UserCallback
@@ -21,8 +21,8 @@ class RunMonitor:
     def __init__(self) -> None:
         self._history: list[dict[str, Any]] = []
 
-    def record(self, metrics: dict[str, Any]) -> None:
-        self._history.append(metrics)
+    def record(self, steps: list[dict[str, Any]]) -> None:
+        self._history.extend(steps)
 
     def since(self, index: int) -> list[dict[str, Any]]:
         return self._history[index:]
@@ -34,17 +34,18 @@ class ProgressCallback(UserCallback):
 
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         if metrics and metrics[0]:
-            self._monitor.record.remote(dict(metrics[0]))
+            self._monitor.record.remote([dict(step) for step in metrics[0].get("history", ())])
 
 
 class ProgressBar:
     """A tqdm bar on the driver fed by polling the monitor in a background thread."""
 
-    def __init__(self, monitor: Any, total_steps: int, enabled: bool = True, poll_s: float = 0.5) -> None:
+    def __init__(self, monitor: Any, total_steps: int, *, enabled: bool = True, file: TextIO | None = None,
+                 poll_s: float = 0.5) -> None:
         from tqdm import tqdm
 
         self._monitor = monitor
-        self._bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled)
+        self._bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled, file=file)
         self._poll_s = poll_s
         self.history: list[dict[str, Any]] = []
         self._stop = threading.Event()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.config import ConfigError, SkrullConfig, max_sequence_length
+from app.config import ConfigError, SkrullConfig
 from scheduling import POLICIES, CostModel, SchedulingError, StepEstimate, plan_step, sample_lengths, simulate
 
 COLUMNS = (
@@ -35,7 +35,7 @@ HEADERS = ("policy", "step s", "vs static", "vs packed", "vs sorted", "bound", "
 
 def apply_too_long(lengths: np.ndarray, config: SkrullConfig) -> np.ndarray:
     """Enforce data.max_length (default C*N) the way data.too_long says: error | truncate | drop."""
-    limit = max_sequence_length(config)
+    limit = config.max_sequence_length
     over = lengths > limit
     if not over.any():
         return lengths
@@ -54,8 +54,6 @@ def apply_too_long(lengths: np.ndarray, config: SkrullConfig) -> np.ndarray:
 def sample_batches(config: SkrullConfig) -> list[np.ndarray]:
     """plan.num_batches global batches of scheduling.global_batch_size lengths from the data source."""
     num, size = config.plan.num_batches, config.scheduling.global_batch_size
-    if num < 1:
-        raise ConfigError(f"plan.num_batches must be >= 1, got {num}")
     data = config.data
     if data.source == "path":
         from app.data.lengths import dataset_token_lengths  # another component; only needed for real data

@@ -1,7 +1,8 @@
 """Checks that run on the driver before Ray starts anything, so bad input fails fast with one message.
 
-The config tree already rejected unknown keys and a world size not divisible by CP (app.config.validate);
-the data scan rejects missing dataset paths and too-long sequences (app.data.pipeline.scan_dataset).
+The config tree already rejected unknown keys, bad choices and a world size not divisible by CP (its
+sections validate themselves, app/config.py); the data scan rejects too-long and unusable data
+(app.data.pipeline.scan_dataset).
 """
 
 from __future__ import annotations
@@ -54,5 +55,3 @@ def preflight(config: SkrullConfig) -> None:
     if config.data.source == "path":
         resolve_source(config.data)
     load_tokenizer(config.data.tokenizer)
-    if config.resources.gpus_per_worker == 0 and config.parallel.backend == "nccl":
-        raise ConfigError("parallel.backend=nccl needs GPUs: set resources.gpus_per_worker=1 or backend=gloo")

@@ -2,9 +2,13 @@
 
     cost.py          FLOPs / KV bytes / modeled seconds / BucketSize       (CostModel, HardwareProfile)
     plans.py         DacpPlan (one micro-batch of a CP group), StepPlan (one global batch)
+    dacp_state.py    DACP's working state (RB, L, placement) and its moves, shared by dacp and refine
     dacp.py          Algorithm 1: local vs distributed per micro-batch, consistent roll-back
+    refine.py        cost-model refinement of a DACP placement (beyond the paper)
     gds.py           Algorithm 2: LPT over DP ranks, strided micro-batches, equal counts per DP rank
-    baselines.py     every policy behind plan_step (static CP, sorted, round-robin, ablations)
+    skrull.py        the skrull policy: GDS + DACP, falling back to GDS-only when that models faster
+    baselines.py     static CP, packed static CP, sorted batching, the DACP-only ablation
+    policies.py      the policy registry (name -> planner), POLICIES, plan_step, check_policy
     simulate.py      modeled step time, perfect-balance bound, imbalances
     distributions.py seeded synthetic lengths of the paper's three datasets
     calibrate.py     fit a profile's mfu / micro-batch launch from measured times (bench compute)
@@ -13,16 +17,16 @@ No ray / torch / deepspeed import anywhere in this package (only scheduling/acto
 is not imported here).
 """
 
-from scheduling.baselines import POLICIES, plan_step
 from scheduling.cost import CostModel, HardwareProfile, bucket_size_from_memory
 from scheduling.dacp import plan_dacp
 from scheduling.distributions import DISTRIBUTIONS, sample_lengths
 from scheduling.gds import plan_gds
 from scheduling.plans import DacpPlan, SchedulingError, StepPlan, shard_tokens
+from scheduling.policies import POLICIES, check_policy, plan_step
 from scheduling.simulate import StepEstimate, simulate
 
 __all__ = [
     "DISTRIBUTIONS", "POLICIES", "CostModel", "DacpPlan", "HardwareProfile", "SchedulingError",
-    "StepEstimate", "StepPlan", "bucket_size_from_memory", "plan_dacp", "plan_gds", "plan_step",
-    "sample_lengths", "shard_tokens", "simulate",
+    "StepEstimate", "StepPlan", "bucket_size_from_memory", "check_policy", "plan_dacp", "plan_gds",
+    "plan_step", "sample_lengths", "shard_tokens", "simulate",
 ]

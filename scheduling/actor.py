@@ -25,9 +25,7 @@ import numpy as np
 import ray
 
 from scheduling import CostModel, plan_step
-from scheduling.payload import Cursor, RankPayload, Sample, build_rank_payloads
-
-USABLE_STATUSES = ("ok", "truncated")
+from scheduling.payload import USABLE_STATUSES, Cursor, RankPayload, Sample, build_rank_payloads
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,8 +77,12 @@ class PlannerActor:
         threading.Thread(target=self._run, name="skrull-planner", daemon=True).start()
 
     # ---------------------------------------------------------------------------------------- workers
-    def payload(self, step: int, dp_rank: int, cp_rank: int) -> list[ray.ObjectRef]:
-        """Block until `step` is planned; return [ref] of this rank's RankPayload (a list keeps it a ref)."""
+    def payload(self, step: int, dp_rank: int, cp_rank: int) -> tuple[list[ray.ObjectRef], int]:
+        """Block until `step` is planned; return ([ref] of this rank's RankPayload, the planned step).
+
+        A list keeps the payload a reference (the worker pulls it from the object store); the planned step
+        tells the worker how far ahead the planner is, without a second actor call.
+        """
         with self._cond:
             self._cond.wait_for(lambda: step <= self._planned or self._error is not None)
             if step > self._planned:
@@ -93,7 +95,7 @@ class PlannerActor:
                 del self._ready[step], self._fetched[step]
                 self._consumed = max(self._consumed, step)
                 self._cond.notify_all()
-            return [ref]
+            return [ref], self._planned
 
     def stats(self) -> dict[str, Any]:
         """Planning time, how far ahead the planner is, and the data rows seen by status."""
@@ -183,12 +185,28 @@ class PlannerActor:
             self._cond.wait_for(lambda: self._planned - self._consumed < s.prefetch)
 
 
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    payload: RankPayload
+    wait_s: float
+    """Seconds the worker waited for the planner and the object store."""
+    ahead_steps: int
+    """Steps beyond this one the planner had already published (0: training waits on planning)."""
+
+
+class PlannerClient:
+    """The worker's side of the planner actor: one blocking call per step, then the object-store pull."""
+
+    def __init__(self, planner: Any) -> None:
+        self._planner = planner
+
+    def fetch(self, step: int, dp_rank: int, cp_rank: int) -> Fetched:
+        started = time.perf_counter()
+        (ref,), planned = ray.get(self._planner.payload.remote(step, dp_rank, cp_rank))
+        payload = ray.get(ref)
+        return Fetched(payload=payload, wait_s=time.perf_counter() - started, ahead_steps=planned - step)
+
+
 def fetch_payload(planner: Any, step: int, dp_rank: int, cp_rank: int) -> RankPayload:
-    """Worker side: wait for this rank's payload of `step` and pull it from the object store."""
-    (ref,) = ray.get(planner.payload.remote(step, dp_rank, cp_rank))
-    return ray.get(ref)
-
-
-def planner_ahead_steps(planner: Any, step: int) -> int:
-    """How many steps beyond `step` the planner has already published (0: training waits on planning)."""
-    return int(ray.get(planner.stats.remote())["planned_step"]) - step
+    """This rank's payload of `step` (tests and tools; workers use PlannerClient)."""
+    return PlannerClient(planner).fetch(step, dp_rank, cp_rank).payload

@@ -1,18 +1,14 @@
-"""Every scheduling policy behind one call, `plan_step`, returning the same StepPlan format.
+"""The baselines and ablations Skrull is compared with (`scheduling.policies` registers them by name).
 
 | policy           | DP split              | micro-batches                        | inside a micro-batch  |
 |------------------|-----------------------|--------------------------------------|-----------------------|
-| skrull           | GDS (LPT by FLOPs)    | GDS strided, roll-back, count tried  | DACP + refinement     |
-|                  |                       | by modeled time; whole-plan fallback | (or all sharded when  |
-|                  |                       | to gds_only when that models faster  | modeled faster)       |
 | static_cp        | data order, rank r::D | k consecutive sequences (k=1)        | all sharded           |
 | static_cp_packed | data order, rank r::D | consecutive, packed to C per rank    | all sharded           |
 | sorted           | LongAlign: sort, pack consecutive to C per rank, shuffle | all sharded           |
 |                  | the groups (seeded), deal them round-robin to DP ranks   |                       |
-| roundrobin       | GDS                   | GDS                                  | DACP round-robin      |
-|                  |                       |                                      | (App. B.2), no refine |
 | dacp_only        | data order, rank r::D | consecutive, packed to C*N tokens    | DACP + refinement     |
-| gds_only         | GDS                   | GDS (fit: sum ceil(S/N) <= C)        | all sharded           |
+
+(roundrobin and gds_only are plan_gds options, skrull is scheduling.skrull.)
 
 "All sharded" is DeepSpeed-style static CP: a DacpPlan with every index in `distributed`. The baselines
 cannot re-split (their batching *is* the baseline), so they equalize micro-batch counts across DP ranks by
@@ -26,12 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from scheduling.cost import CostModel
-from scheduling.dacp import check_fits, dacp_assign, state_to_plan
-from scheduling.gds import plan_gds, static_micro_batch
+from scheduling.dacp import all_sharded, dacp_assign
 from scheduling.plans import DacpPlan, SchedulingError, StepPlan, shard_tokens
-from scheduling.simulate import lower_bounds, simulate
-
-POLICIES = ("skrull", "static_cp", "static_cp_packed", "sorted", "roundrobin", "dacp_only", "gds_only")
 
 
 def _equalized(per_rank: list[list[DacpPlan]], cp_size: int) -> StepPlan:
@@ -65,7 +57,7 @@ def static_cp(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size
         mine = list(range(r, len(lengths), dp_size))
         plans = []
         for start in range(0, len(mine), micro_batch):
-            plan = static_micro_batch(mine[start:start + micro_batch], lengths, cp_size, bucket_size)
+            plan = all_sharded(mine[start:start + micro_batch], lengths, cp_size, bucket_size)
             if plan is None:
                 raise SchedulingError(
                     f"static CP micro-batch of {micro_batch} sequences overflows scheduling.bucket_size="
@@ -106,7 +98,7 @@ def _dacp_split(members: list[int], lengths: Sequence[int], flops: Sequence[floa
     state = dacp_assign(sorted(members, key=lambda i: (int(lengths[i]), i)), lengths, flops,
                         cp_size=cp_size, bucket_size=bucket_size, cost=cost)
     if state is not None:
-        return [state_to_plan(state)]
+        return [state.to_plan()]
     half = len(members) // 2  # len >= 2 here: a single sequence <= C*N always places
     return (_dacp_split(members[:half], lengths, flops, cp_size, bucket_size, cost)
             + _dacp_split(members[half:], lengths, flops, cp_size, bucket_size, cost))
@@ -123,62 +115,3 @@ def dacp_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size
         per_rank.append([p for g in groups
                          for p in _dacp_split(g, lengths, flops, cp_size, bucket_size, cost)])
     return _equalized(per_rank, cp_size)
-
-
-def skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-           cost: CostModel) -> StepPlan:
-    """GDS + DACP (+ refinement), or the GDS-only plan when the cost model says that one is faster.
-
-    Every GDS-only micro-batch is also a valid DACP output (all sharded), so Skrull may always fall back
-    to it; planning it costs a fraction of the DACP plan (no placement search). With that fallback
-    Skrull's modeled step is never above GDS-only's. The other ablations are not planned here: DACP-only
-    and round-robin use the same DACP machinery on worse DP splits / placements and cost a full plan.
-    """
-    shape = {"dp_size": dp_size, "cp_size": cp_size, "bucket_size": bucket_size, "cost": cost}
-    plan = plan_gds(lengths, **shape)
-    estimate = simulate(plan, lengths, cost)
-    if estimate.step_s <= _all_sharded_floor(lengths, cost, dp_size=dp_size, cp_size=cp_size):
-        return plan  # no all-sharded plan can be faster: skip planning one
-    fallback = plan_gds(lengths, execution="static", **shape)
-    return fallback if simulate(fallback, lengths, cost).step_s < estimate.step_s else plan
-
-
-def _all_sharded_floor(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_size: int) -> float:
-    """A lower bound of any all-sharded plan's step (same proof as scheduling.simulate's bounds).
-
-    Every micro-batch of such a plan pays T_comm(V) >= the ring's latency floor T_comm(0+) in full (no
-    local work to hide it under), so step >= perfect-balance bound + that floor; and the longest
-    sequence's micro-batch >= T_comm(V*) + T_comp(F*/N) + b.
-    """
-    bound, _ = lower_bounds(lengths, cost, dp_size=dp_size, cp_size=cp_size)
-    if cp_size <= 1 or not len(lengths):
-        return bound
-    longest = float(max(lengths))
-    latency_floor = cost.t_comm(1.0, cp_size)
-    alone = (cost.t_comm(cost.kv_bytes(longest), cp_size) + cost.t_comp(cost.flops(longest) / cp_size)
-             + cost.micro_batch_overhead_s(dp_size * cp_size))
-    return max(bound + latency_floor, alone)
-
-
-def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-              cost: CostModel, seed: int = 0, static_cp_micro_batch: int = 1) -> StepPlan:
-    """Plan one global batch with `policy` (one of POLICIES); indices in the plan refer to `lengths`."""
-    if policy not in POLICIES:
-        raise SchedulingError(f"scheduling.policy={policy!r} is not one of: {', '.join(POLICIES)}")
-    if dp_size < 1:
-        raise SchedulingError(f"DP size must be >= 1 (parallel.num_workers / parallel.cp_size): {dp_size}")
-    check_fits(lengths, cp_size, bucket_size)
-    shape = {"dp_size": dp_size, "cp_size": cp_size, "bucket_size": bucket_size}
-    if policy == "skrull":
-        return skrull(lengths, cost=cost, **shape)
-    if policy == "roundrobin":
-        return plan_gds(lengths, cost=cost, placement="roundrobin", refine=False, **shape)
-    if policy == "gds_only":
-        return plan_gds(lengths, cost=cost, execution="static", **shape)
-    if policy == "dacp_only":
-        return dacp_only(lengths, cost=cost, **shape)
-    if policy == "static_cp":
-        return static_cp(lengths, micro_batch=static_cp_micro_batch, **shape)
-    if policy == "static_cp_packed":
-        return static_cp_packed(lengths, **shape)
-    return sorted_batching(lengths, seed=seed, **shape)

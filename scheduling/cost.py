@@ -1,4 +1,4 @@
-"""Skrull's cost model (DESIGN.md section 2): FLOPs, KV volume, compute/communication time, memory.
+"""Skrull's cost model (docs/design.md §2): FLOPs, KV volume, compute/communication time, memory.
 
 Per Transformer layer, for one packed sequence of S tokens (h = hidden, h_kv = KV hidden):
 
@@ -93,9 +93,6 @@ class HardwareProfile:
             if int_key in kwargs:
                 kwargs[int_key] = int(kwargs[int_key])
         return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     def collective_bandwidth(self, world: int) -> float:
         """Bus bandwidth of a ring collective over `world` ranks (NVLink, or every rail's NIC at once)."""
@@ -199,19 +196,6 @@ class CostModel:
         worst_local = max(local_flops) if len(local_flops) else 0.0
         overhead = self.micro_batch_overhead_s(world)
         return max(comm, self.t_comp(worst_local)) + self.t_comp(dist_flops) + overhead
-
-    # ------------------------------------------------------------------------------------------ memory
-    @property
-    def activation_bytes_per_token(self) -> float:
-        """alpha: activation bytes one token costs, all layers (34*h per layer, selective recompute)."""
-        return self.profile.activation_bytes_per_hidden * self.hidden_size * self.num_layers
-
-    def bucket_size(self, *, static_memory_bytes: float, safety_bytes: float = 0.0) -> int:
-        """BucketSize C in tokens from the device memory left after weights/optimizer/safety."""
-        return bucket_size_from_memory(
-            device_memory_bytes=self.profile.device_memory_bytes, static_memory_bytes=static_memory_bytes,
-            activation_bytes_per_token=self.activation_bytes_per_token, safety_bytes=safety_bytes,
-        )
 
 
 def bucket_size_from_memory(*, device_memory_bytes: float, static_memory_bytes: float,

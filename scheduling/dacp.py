@@ -8,7 +8,7 @@ ascending length order (ties by index, so plans are deterministic):
     c. t = argmin(RB); RB[t] >= ceil(S/N) -> distributed:        every rank RB -= ceil(S/N), L += F(S)/N
     d. roll back on t = argmin(RB): its shortest local sequence s becomes distributed, then retry S.
 
-The roll-back is the *consistent* one (DESIGN.md section 3), not the paper's printed one: rank t keeps
+The roll-back is the *consistent* one (docs/design.md §3), not the paper's printed one: rank t keeps
 only a shard of s, every other rank is charged the new shard:
 
     RB[t] += S_s - ceil(S_s/N)        L[t] += F(S_s)/N - F(S_s)
@@ -16,7 +16,13 @@ only a shard of s, every other rank is charged the new shard:
 
 It is taken only if every other rank can hold that shard, so RB >= 0 holds after every step. Each
 roll-back removes one local sequence, so the loop ends; if rank t has no local sequence (or its shortest
-cannot be sharded) DACP fails for this micro-batch and GDS re-splits (plan_dacp raises SchedulingError).
+cannot be sharded) the roll-back gives up (dacp_assign returns None). The all-sharded plan may still fit
+(the roll-back only ever shards rank t's shortest sequence): plan_dacp then returns it, and raises
+SchedulingError only when even sum ceil(S/N) > C. GDS's splitter falls back the same way when it has a
+cost model (scheduling.gds, step 4) and re-splits otherwise.
+
+The state (RB, L, the placement) and its moves (place, distribute, relocate, shard_local) live in
+`scheduling.dacp_state`, shared with the refinement.
 
 After the loop, when a cost model is given, `scheduling.refine` improves the placement against the DACP
 objective (move / shard sequences of the most loaded rank while the modeled time drops): an extension
@@ -29,26 +35,15 @@ sequence on the rank with the most remaining memory), roll-back unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from scheduling.cost import CostModel
+from scheduling.dacp_state import DacpState
 from scheduling.plans import DacpPlan, SchedulingError, shard_tokens
 from scheduling.refine import refine as refine_placement
 
+__all__ = ["PLACEMENTS", "DacpState", "all_sharded", "check_fits", "dacp_assign", "plan_dacp"]
+
 PLACEMENTS = ("greedy", "roundrobin")
-
-
-@dataclass(slots=True)
-class DacpState:
-    """Mutable working state of Algorithm 1 (exposed to `on_step` observers, e.g. invariant tests)."""
-
-    remaining: list[int]
-    """RB[j]: tokens rank j can still take."""
-    load: list[float]
-    """L[j]: forward FLOPs assigned to rank j."""
-    local: list[list[int]]
-    distributed: list[int]
-    rollbacks: int = 0
 
 
 def _argmin(values: list) -> int:
@@ -59,33 +54,16 @@ def _argmax(values: list) -> int:
     return values.index(max(values))
 
 
-def _place_local(state: DacpState, rank: int, index: int, length: int, flops: float) -> None:
-    state.remaining[rank] -= length
-    state.load[rank] += flops
-    state.local[rank].append(index)
-
-
-def _distribute(state: DacpState, index: int, shard: int, shard_flops: float) -> None:
-    for j in range(len(state.remaining)):
-        state.remaining[j] -= shard
-        state.load[j] += shard_flops
-    state.distributed.append(index)
-
-
 def _roll_back(state: DacpState, rank: int, lengths: Sequence[int], flops: Sequence[float]) -> bool:
     """Turn rank's shortest local sequence into a distributed one; False if that is impossible."""
     if not state.local[rank]:
         return False
-    cp_size = len(state.remaining)
     victim = min(state.local[rank], key=lambda i: (lengths[i], i))
     length = int(lengths[victim])
-    shard = shard_tokens(length, cp_size)
-    if any(state.remaining[j] < shard for j in range(cp_size) if j != rank):
+    shard = shard_tokens(length, state.cp_size)
+    if any(state.remaining[j] < shard for j in range(state.cp_size) if j != rank):
         return False
-    state.local[rank].remove(victim)
-    state.remaining[rank] += length
-    state.load[rank] -= flops[victim]
-    _distribute(state, victim, shard, flops[victim] / cp_size)
+    state.shard_local(rank, victim, length, flops[victim])
     state.rollbacks += 1
     return True
 
@@ -93,12 +71,11 @@ def _roll_back(state: DacpState, rank: int, lengths: Sequence[int], flops: Seque
 def dacp_assign(order: Sequence[int], lengths: Sequence[int], flops: Sequence[float], *, cp_size: int,
                 bucket_size: int, placement: str = "greedy", cost: CostModel | None = None,
                 on_step: Callable[[DacpState], None] | None = None) -> DacpState | None:
-    """Run Algorithm 1 on `order` (indices, ascending by length); None when DACP fails.
+    """Run Algorithm 1 on `order` (indices, ascending by length); None when the roll-back gives up.
 
     With `cost`, the result is then refined against the modeled micro-batch time.
     """
-    state = DacpState(remaining=[bucket_size] * cp_size, load=[0.0] * cp_size,
-                      local=[[] for _ in range(cp_size)], distributed=[])
+    state = DacpState.start(cp_size, bucket_size)
     greedy = placement == "greedy"
     for index in order:
         length = int(lengths[index])
@@ -108,11 +85,11 @@ def dacp_assign(order: Sequence[int], lengths: Sequence[int], flops: Sequence[fl
             if t < 0 or state.remaining[t] < length:
                 t = _argmax(state.remaining)
             if state.remaining[t] >= length:
-                _place_local(state, t, index, length, flops[index])
+                state.place(t, index, length, flops[index])
                 break
             t = _argmin(state.remaining)
             if state.remaining[t] >= shard:
-                _distribute(state, index, shard, flops[index] / cp_size)
+                state.distribute(index, length, flops[index])
                 break
             if not _roll_back(state, t, lengths, flops):
                 return None
@@ -144,14 +121,23 @@ def check_fits(lengths: Sequence[int], cp_size: int, bucket_size: int) -> None:
         raise SchedulingError("every sequence needs >= 1 token (check the tokenizer / data source)")
 
 
-def state_to_plan(state: DacpState) -> DacpPlan:
-    return DacpPlan(local=tuple(tuple(r) for r in state.local), distributed=tuple(state.distributed))
+def all_sharded(indices: Sequence[int], lengths: Sequence[int], cp_size: int,
+                bucket_size: int) -> DacpPlan | None:
+    """Every sequence sharded (static CP, also a valid DACP output); None if the shards overflow C."""
+    if sum(shard_tokens(int(lengths[i]), cp_size) for i in indices) > bucket_size:
+        return None
+    return DacpPlan(local=((),) * cp_size, distributed=tuple(indices))
 
 
 def plan_dacp(lengths: Sequence[int], *, cp_size: int, bucket_size: int, cost: CostModel,
               indices: Sequence[int] | None = None, placement: str = "greedy", refine: bool = True,
               on_step: Callable[[DacpState], None] | None = None) -> DacpPlan:
-    """Plan one micro-batch (all of `lengths`, or the subset `indices`) over `cp_size` CP ranks."""
+    """Plan one micro-batch (all of `lengths`, or the subset `indices`) over `cp_size` CP ranks.
+
+    Algorithm 1 (+ the refinement unless refine=False); when its roll-back gives up, the all-sharded
+    plan (every index distributed, in ascending length order) if sum ceil(S/N) <= C. SchedulingError
+    only when neither fits, i.e. the micro-batch must be split.
+    """
     if placement not in PLACEMENTS:
         raise SchedulingError(f"DACP placement {placement!r} is not one of {PLACEMENTS}")
     chosen = range(len(lengths)) if indices is None else indices
@@ -160,11 +146,17 @@ def plan_dacp(lengths: Sequence[int], *, cp_size: int, bucket_size: int, cost: C
     flops = [cost.flops(float(s)) for s in lengths]
     state = dacp_assign(order, lengths, flops, cp_size=cp_size, bucket_size=bucket_size,
                         placement=placement, cost=cost if refine else None, on_step=on_step)
-    if state is None:
+    if state is not None:
+        return state.to_plan()
+    # The roll-back only ever shards one rank's shortest local sequence, so it can give up although
+    # sharding everything fits: that plan is a valid DACP output, and a plan must come back if one exists.
+    plan = all_sharded(order, lengths, cp_size, bucket_size)
+    if plan is None:
         total = sum(int(lengths[i]) for i in order)
         raise SchedulingError(
             f"DACP found no placement for a micro-batch of {len(order)} sequences / {total} tokens within "
-            f"scheduling.bucket_size={bucket_size} per rank over parallel.cp_size={cp_size}: split the "
-            "micro-batch (plan_gds does) or raise scheduling.bucket_size"
+            f"scheduling.bucket_size={bucket_size} per rank over parallel.cp_size={cp_size}, not even "
+            "with every sequence sharded: split the micro-batch (plan_gds does) or raise "
+            "scheduling.bucket_size"
         )
-    return state_to_plan(state)
+    return plan

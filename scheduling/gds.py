@@ -13,7 +13,7 @@
    Accept m when every micro-batch holds <= C*N tokens and DACP places it; else m += 1 (the GDS
    roll-back). m = len(bin) always succeeds (one sequence per micro-batch, S <= C*N checked up front).
 3. Equal micro-batch counts: ZeRO-2 reduces gradients inside every backward, so every DP rank must run
-   the same number of micro-batches (STACK_NOTES). We *re-split* every rank to the largest count M
+   the same number of micro-batches (docs/design.md §9). We *re-split* every rank to the largest count M
    (strided again with m = M, growing M if some rank's re-split fails) rather than append empty
    micro-batches: the worker pays the per-micro-batch cost b either way, but re-splitting spreads the
    lighter ranks' tokens thinner, so DACP keeps more sequences local (less ring traffic) and peak memory
@@ -38,8 +38,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from scheduling.cost import CostModel
-from scheduling.dacp import check_fits, dacp_assign, state_to_plan
-from scheduling.plans import DacpPlan, SchedulingError, StepPlan, shard_tokens
+from scheduling.dacp import all_sharded, check_fits, dacp_assign
+from scheduling.plans import DacpPlan, SchedulingError, StepPlan
 from scheduling.simulate import rank_times
 
 EXECUTIONS = ("dacp", "static")
@@ -56,14 +56,6 @@ def lpt_bins(flops: Sequence[float], num_bins: int) -> list[list[int]]:
         bins[b].append(index)
         heapq.heappush(heap, (load + flops[index], b))
     return bins
-
-
-def static_micro_batch(indices: Sequence[int], lengths: Sequence[int], cp_size: int,
-                       bucket_size: int) -> DacpPlan | None:
-    """Every sequence sharded (static CP); None if the shards overflow one rank's bucket."""
-    if sum(shard_tokens(int(lengths[i]), cp_size) for i in indices) > bucket_size:
-        return None
-    return DacpPlan(local=((),) * cp_size, distributed=tuple(indices))
 
 
 class _RankSplitter:
@@ -100,18 +92,18 @@ class _RankSplitter:
         return plans
 
     def _plan(self, members: list[int]) -> DacpPlan | None:
-        static = static_micro_batch(members, self.lengths, self.cp_size, self.bucket_size)
+        static = all_sharded(members, self.lengths, self.cp_size, self.bucket_size)
         if self.execution == "static":
             return static
         state = dacp_assign(members, self.lengths, self.flops, cp_size=self.cp_size,
                             bucket_size=self.bucket_size, placement=self.placement, cost=self.cost)
         if self.cost is None:  # the paper's Algorithm 1 alone (the round-robin ablation): no fallback
-            return None if state is None else state_to_plan(state)
+            return None if state is None else state.to_plan()
         # All-sharded is a valid DACP output too. Algorithm 1's roll-back can give up (or leave a long
         # sequence local under memory pressure) where sharding everything still fits and runs faster:
         # keep whichever the cost model says is faster, so Skrull never needs more micro-batches than
         # GDS-only and never models slower on the same micro-batch.
-        plan = None if state is None else state_to_plan(state)
+        plan = None if state is None else state.to_plan()
         if plan is None or (static is not None and self.time(static) < self.time(plan)):
             return static
         return plan

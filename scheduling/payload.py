@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from scheduling import DacpPlan, StepPlan
 
 IGNORE_INDEX = -100
+"""Label of a token that carries no loss (the Hugging Face / PyTorch cross-entropy convention)."""
+ROW_STATUSES = ("ok", "empty", "malformed", "truncated", "dropped", "too_long")
+"""What tokenization says of a row (app/data/template.py); the planner trains on USABLE_STATUSES only."""
+USABLE_STATUSES = ("ok", "truncated")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -75,10 +75,6 @@ class DacpPlan:
         """Every index of the micro-batch: local ones rank by rank, then the distributed ones."""
         return tuple(i for rank in self.local for i in rank) + self.distributed
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.distributed and not any(self.local)
-
     def rank_tokens(self, lengths: Sequence[int]) -> tuple[int, ...]:
         """Tokens each CP rank holds: its local sequences plus ceil(S/N) of every distributed one."""
         shards = sum(shard_tokens(int(lengths[i]), self.cp_size) for i in self.distributed)

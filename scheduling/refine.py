@@ -3,7 +3,7 @@
 Algorithm 1 shards a sequence only under memory pressure and places local sequences shortest-first, so a
 micro-batch whose longest sequence alone outweighs a rank's fair share ends up with one rank doing most
 of the work, and the last (longest) local sequences pile up on whichever ranks were lightest when they
-arrived. The DACP objective itself (minimize max_j Time_j, DESIGN.md section 3) is what we refine against:
+arrived. The DACP objective itself (minimize max_j Time_j, docs/design.md §3) is what we refine against:
 
     Time = max_j max(T_comm(V), T_comp(Local_j)) + T_comp(Dist)
 
@@ -26,7 +26,9 @@ arrived. The DACP objective itself (minimize max_j Time_j, DESIGN.md section 3) 
    since two dominant sequences may both have to be sharded before the ring traffic pays off).
 
 Every step lowers Time strictly and keeps every rank within C tokens, so Algorithm 1's guarantees
-(every index once, memory) survive; the local search is bounded (2x the micro-batch's sequences steps).
+(every index once, memory) survive; the local search is bounded (4 x (sequences + 1) steps).
+Moves go through scheduling.dacp_state (relocate, shard_local, place: the same moves Algorithm 1
+makes); the local search also caches Time's terms (local load per rank, shard load, ring volume).
 """
 
 from __future__ import annotations
@@ -34,13 +36,10 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from scheduling.cost import CostModel
+from scheduling.dacp_state import DacpState
 from scheduling.plans import shard_tokens
-
-if TYPE_CHECKING:
-    from scheduling.dacp import DacpState
 
 Step = tuple[float, str, int, int, int, int]
 """(new time, op, sequence, source rank, target rank, swap partner or -1)."""
@@ -51,6 +50,7 @@ class _Refiner:
                  cost: CostModel) -> None:
         self.state, self.lengths, self.flops, self.cost = state, lengths, flops, cost
         self.n = len(state.remaining)
+        # the objective's terms, kept in step with every move: the state's L mixes local and shard load
         self.local_load = [sum(flops[i] for i in rank) for rank in state.local]
         self.dist = sum(flops[i] for i in state.distributed) / self.n
         self.volume = sum(cost.kv_bytes(float(lengths[i])) for i in state.distributed)
@@ -112,14 +112,9 @@ class _Refiner:
         return best
 
     def _relocate(self, s: int, source: int, target: int) -> None:
-        st, f, length = self.state, self.flops[s], int(self.lengths[s])
-        st.local[source].remove(s)
-        st.remaining[source] += length
-        st.load[source] -= f
+        f = self.flops[s]
+        self.state.relocate(s, source, target, int(self.lengths[s]), f)
         self.local_load[source] -= f
-        st.local[target].append(s)
-        st.remaining[target] -= length
-        st.load[target] += f
         self.local_load[target] += f
 
     def apply(self, op: str, s: int, r: int, target: int, partner: int) -> None:
@@ -130,16 +125,9 @@ class _Refiner:
             self._relocate(partner, target, r)
             self._relocate(s, r, target)
             return
-        st, f, length = self.state, self.flops[s], int(self.lengths[s])
-        st.local[r].remove(s)
-        st.remaining[r] += length
-        st.load[r] -= f
+        f, length = self.flops[s], int(self.lengths[s])
+        self.state.shard_local(r, s, length, f)
         self.local_load[r] -= f
-        shard = shard_tokens(length, self.n)
-        for j in range(self.n):
-            st.remaining[j] -= shard
-            st.load[j] += f / self.n
-        st.distributed.append(s)
         self.dist += f / self.n
         self.volume += self.cost.kv_bytes(float(length))
 
@@ -156,8 +144,6 @@ class _Refiner:
 def relocal_lpt(state: DacpState, lengths: Sequence[int], flops: Sequence[float],
                 shard: int | None = None) -> DacpState | None:
     """The distributed set (plus `shard`), locals re-placed heaviest-first; None if one finds no room."""
-    from scheduling.dacp import DacpState  # runtime import: dacp imports this module
-
     n = len(state.remaining)
     distributed = list(state.distributed) + ([] if shard is None else [shard])
     shards = sum(shard_tokens(int(lengths[i]), n) for i in distributed)
@@ -178,9 +164,7 @@ def relocal_lpt(state: DacpState, lengths: Sequence[int], flops: Sequence[float]
             if not fits:
                 return None
             j = min(fits, key=lambda k: (out.load[k], k))
-        out.remaining[j] -= length
-        out.load[j] += flops[i]
-        out.local[j].append(i)
+        out.place(j, i, length, flops[i])
         if j == heap[0][1]:
             heapq.heapreplace(heap, (out.load[j], j))
         else:
@@ -226,5 +210,4 @@ def refine(state: DacpState, lengths: Sequence[int], flops: Sequence[float], cos
         if candidate_time < best_time * (1 - 1e-9):
             best, best_time = candidate, candidate_time
     if best is not state:
-        state.remaining[:], state.load[:] = best.remaining, best.load
-        state.local[:], state.distributed[:] = best.local, best.distributed
+        state.adopt(best)

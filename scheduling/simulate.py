@@ -1,6 +1,6 @@
 """Modeled iteration time of any StepPlan under a CostModel (+ its HardwareProfile).
 
-For CP rank j of one micro-batch (the DACP overlap formula, DESIGN.md section 3):
+For CP rank j of one micro-batch (the DACP overlap formula, docs/design.md §3):
 
     Time_j = max(T_comm(V), T_comp(Local_j)) + T_comp(Dist) + b
 

@@ -85,7 +85,10 @@ def _groups_info(rank: int, world: int) -> dict:
     from workers.distributed import ParallelGroups
 
     groups = ParallelGroups.create(2, world // 2)
-    info = {"dp_rank": groups.dp_rank, "cp_rank": groups.cp_rank}
+    # The CP group's ring communicator is built with the group (None when the CP group has one rank).
+    comm = groups.attention.comm
+    info = {"dp_rank": groups.dp_rank, "cp_rank": groups.cp_rank,
+            "ring": None if comm is None else [comm.size, comm.rank, comm.prev_peer, comm.next_peer]}
     for name in ("cp_group", "dp_group", "world_group"):
         members = torch.zeros(world)
         members[rank] = 1
@@ -101,9 +104,10 @@ def _groups_info(rank: int, world: int) -> dict:
 def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
     import torch.distributed as dist
 
-    from workers.attention import dacp_attention
+    from workers.attention import AttentionRuntime, dacp_attention
 
     group = dist.new_group(list(range(world)))
+    runtime = AttentionRuntime.create(group, torch.device("cpu"))  # once, reused by every case
     results: list = [_groups_info(rank, world) if world % 2 == 0 else None]
     for case in cases:
         full = _full_tensors(case)
@@ -112,7 +116,7 @@ def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
         q, k, v = (_stream(full[n], batch, "random").requires_grad_() for n in ("q", "k", "v"))
         # Pad rows get zero upstream gradient: in a model no loss depends on them.
         dout = _stream(full["dout"], batch, "zero")
-        out, lse = dacp_attention(q, k, v, batch.layout, group, scale=SCALE)
+        out, lse = dacp_attention(q, k, v, batch.layout, runtime, scale=SCALE)
         out.backward(dout)
         results.append(dict(seq=batch.seq_index, pos=batch.position_ids, out=out.detach(), lse=lse.T,
                             dq=q.grad, dk=k.grad, dv=v.grad))
@@ -154,7 +158,10 @@ def _check_groups(world: int, infos: list) -> list[str]:
         return []
     cp = world // 2
     want = [{"dp_rank": r // cp, "cp_rank": r % cp, "cp_group": [r // cp * cp + c for c in range(cp)],
-             "dp_group": [r % cp, cp + r % cp], "world_group": list(range(world))} for r in range(world)]
+             "dp_group": [r % cp, cp + r % cp], "world_group": list(range(world)),
+             # [size, cp_rank, previous and next world rank] of the ring inside the CP group
+             "ring": None if cp == 1 else [cp, r % cp, base + (r - 1) % cp, base + (r + 1) % cp]}
+            for r, base in ((r, r // cp * cp) for r in range(world))]
     got = [{k: v for k, v in info.items() if k != "error"} for info in infos]
     errors = [] if got == want else [f"ParallelGroups(2, {cp}): got {got}, want {want}"]
     if not all("parallel.num_workers" in info.get("error", "") for info in infos):

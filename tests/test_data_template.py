@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from app.data import DataError
-from app.data.template import IGNORE_INDEX, TemplateSettings, tokenize_rows
+from app.data.template import TemplateSettings, tokenize_rows
 from app.data.tokenizer import load_tokenizer
+from scheduling.payload import IGNORE_INDEX
 
 IM_START, IM_END, ENDOFTEXT = 151644, 151645, 151643
 CHAT = [

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from scheduling import DacpPlan
+from workers.attention import AttentionRuntime
 from workers.batch import build_rank_batch
 from workers.forward import micro_batch_loss_sum
 from workers.loss import linear_cross_entropy_sum
@@ -44,7 +45,8 @@ def test_single_rank_matches_hf_model(name: str) -> None:
     batch = build_rank_batch(DacpPlan(local=((4, 0, 2),), distributed=(1, 3)), ids, labels, cp_rank=0,
                              cp_size=1)
     assert batch.num_label_tokens == total
-    loss = micro_batch_loss_sum(model, batch, cp_group=None, loss_chunk_tokens=7) / total
+    runtime = AttentionRuntime.create(None, torch.device("cpu"), "torch")
+    loss = micro_batch_loss_sum(model, batch, runtime=runtime, loss_chunk_tokens=7) / total
     loss.backward()
     ref_loss, ref_grads = _hf_reference(ref, ids, labels, total)
     assert abs(loss.item() - ref_loss) <= TOL * abs(ref_loss)

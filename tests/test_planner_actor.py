@@ -8,17 +8,14 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from scheduling import CostModel  # noqa: E402
-from scheduling.actor import PlannerActor, PlannerError, PlannerSettings, fetch_payload  # noqa: E402
-from scheduling.payload import Cursor  # noqa: E402
+from scheduling.actor import PlannerActor, PlannerClient, PlannerError, PlannerSettings  # noqa: E402
+from scheduling.payload import Cursor, RankPayload  # noqa: E402
 
 COST = CostModel.from_model_dims(hidden_size=64, kv_hidden_size=32, num_layers=2)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def fetch_payload(planner, step: int, dp_rank: int, cp_rank: int) -> RankPayload:
+    return PlannerClient(planner).fetch(step, dp_rank, cp_rank).payload
 
 
 def _rows(n: int) -> list[dict]:
@@ -80,12 +77,24 @@ def test_resume_from_cursor_continues_with_the_next_rows(local_ray) -> None:
 def test_a_dataset_without_usable_rows_is_a_clear_error(local_ray) -> None:
     rows = [{"input_ids": [], "labels": [], "status": "malformed"} for _ in range(5)]
     planner = PlannerActor.remote(ray.data.from_items(rows), _settings(), COST, Cursor(epoch=0, rows=0))
-    with pytest.raises(Exception, match="no usable row"):
+    # The actor re-raises the planning thread's error to every waiting worker as a PlannerError.
+    with pytest.raises(ray.exceptions.RayTaskError, match="no usable row") as caught:
         fetch_payload(planner, 1, 0, 0)
+    assert isinstance(caught.value.as_instanceof_cause(), PlannerError)
 
 
 def test_steps_beyond_one_epoch_cycle_the_data(local_ray) -> None:
     planner = PlannerActor.remote(ray.data.from_items(_rows(10)), _settings(total_steps=4, prefetch=8), COST)
     payloads = [fetch_payload(planner, step, 0, 0) for step in range(1, 5)]
-    assert [p.epoch for p in payloads][-1] >= 2
-    assert issubclass(PlannerError, RuntimeError)
+    # 9 usable rows an epoch, 6 a step: a step's epoch is that of the row that completed its batch.
+    assert [p.epoch for p in payloads] == [0, 1, 1, 2]
+    for payload in payloads:
+        ids = [i for per_dp in payload.sample_ids_by_dp_rank for i in per_dp]
+        assert len(ids) == len(set(ids)) == 6
+
+
+def test_the_planner_lead_rides_on_the_payload_fetch(local_ray) -> None:
+    planner = PlannerActor.remote(ray.data.from_items(_rows(40)), _settings(total_steps=3, prefetch=2), COST)
+    client = PlannerClient(planner)
+    first = client.fetch(1, 0, 0)
+    assert first.payload.step == 1 and 0 <= first.ahead_steps <= 2 and first.wait_s >= 0

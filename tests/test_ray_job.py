@@ -10,7 +10,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,12 +22,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 RAY = Path(sys.executable).with_name("ray")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_for_dashboard(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -55,14 +48,14 @@ def auth_env() -> dict[str, str]:
 
 
 @pytest.fixture
-def ray_head(auth_env: dict[str, str]) -> Iterator[str]:
-    dashboard = _free_port()
+def ray_head(auth_env: dict[str, str], free_port) -> Iterator[str]:
+    dashboard = free_port()
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's unix socket paths are length-limited
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **auth_env)
     env.pop("RAY_ADDRESS", None)
     command = [str(RAY), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
-               f"--port={_free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-               f"--ray-client-server-port={_free_port()}", "--num-cpus=4", f"--temp-dir={temp_dir}",
+               f"--port={free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+               f"--ray-client-server-port={free_port()}", "--num-cpus=4", f"--temp-dir={temp_dir}",
                "--disable-usage-stats"]
     proc = subprocess.Popen(command, env=env, cwd=REPO, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

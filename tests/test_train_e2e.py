@@ -23,13 +23,6 @@ METRICS = {"loss", "tokens_per_s", "step_s", "planner_wait_s", "plan_ms", "compu
            "planner_ahead_steps"}
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=4, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _config(tmp_path: Path, name: str, *overrides: str):
     return load_config("configs/tiny-cpu.yaml", [
         f"run.storage_path={tmp_path}", f"run.name={name}", f"data.num_samples={NUM_SAMPLES}",

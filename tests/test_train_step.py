@@ -12,7 +12,6 @@ against lr * g, and dividing by it is exact.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +58,7 @@ def _ds_config() -> dict:
     from app.config import load_config
     from app.deepspeed_config import deepspeed_config
 
-    config = deepspeed_config(load_config(None, ["train.grad_clip=0"]), on_gpu=False)
+    config = deepspeed_config(load_config(None, ["train.grad_clip=0"]).train, dtype="fp32", on_gpu=False)
     del config["optimizer"]  # the test passes plain SGD so that the update is the gradient
     config["zero_allow_untested_optimizer"] = True
     return config
@@ -111,16 +110,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def distributed_grads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.tools.launch import free_port
+
     out_dir = tmp_path_factory.mktemp("step")
-    mp.spawn(_worker, args=(2, _free_port(), str(out_dir)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out_dir)), nprocs=2, join=True)
     return out_dir
 
 

@@ -23,9 +23,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from scheduling.payload import IGNORE_INDEX
 from workers.attention.layout import DacpLayout
-
-IGNORE_INDEX = -100
 
 
 class PlanLike(Protocol):

@@ -1,27 +1,29 @@
 """One micro-batch on one CP rank: the model on the packed stream, then the chunked loss sum.
 
-    hidden = decoder(input_ids[1,T], position_ids[1,T], dacp_layout, dacp_group)   # DACP attention
-    loss_sum = sum_t CE(lm_head(hidden[t]), targets[t])                             # chunked, fp32
+    hidden = decoder(input_ids[1,T], position_ids[1,T], dacp_layout, dacp_runtime)   # DACP attention
+    loss_sum = sum_t CE(lm_head(hidden[t]), targets[t])                               # chunked, fp32
 
-The caller divides by the global batch's label-token count (DESIGN.md 6b), never per micro-batch.
+The caller divides by the global batch's label-token count (docs/design.md section 7), never per
+micro-batch.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from workers.attention.runtime import AttentionRuntime
 from workers.batch import RankBatch
 from workers.loss import linear_cross_entropy_sum
 
 
 def micro_batch_loss_sum(
-    model: torch.nn.Module, batch: RankBatch, *, cp_group: dist.ProcessGroup | None = None,
+    model: torch.nn.Module, batch: RankBatch, *, runtime: AttentionRuntime | None = None,
     loss_chunk_tokens: int = 4096,
 ) -> torch.Tensor:
     """fp32 sum of token cross-entropies over batch.targets on this rank (differentiable).
 
-    `model` is the HF causal LM, or a wrapper exposing it as `.module` (a DeepSpeed engine).
+    `model` is the HF causal LM, or a wrapper exposing it as `.module` (a DeepSpeed engine). `runtime`
+    is the worker's attention runtime (kernel + CP ring); None: single rank, "auto" kernel.
     """
     model = getattr(model, "module", model)
     device = model.get_input_embeddings().weight.device
@@ -31,7 +33,7 @@ def micro_batch_loss_sum(
         return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
     decoder = model.get_decoder()
     outputs = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                      use_cache=False, dacp_layout=batch.layout, dacp_group=cp_group)
+                      use_cache=False, dacp_layout=batch.layout, dacp_runtime=runtime)
     hidden_TE = outputs.last_hidden_state[0]
     return linear_cross_entropy_sum(hidden_TE, model.get_output_embeddings(), batch.targets.to(device),
                                     loss_chunk_tokens)

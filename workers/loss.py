@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-IGNORE_INDEX = -100
+from scheduling.payload import IGNORE_INDEX
 
 
 class _ChunkedLinearCE(torch.autograd.Function):

@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +20,30 @@ from workers.presets import TINY_DEFAULTS, is_tiny_preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """What a worker builds: `build_model`'s arguments, made by the driver from the config's model section."""
+
+    name_or_path: str = "tiny-qwen2"
+    random_init: bool = False
+    dtype: str = "fp32"
+    vocab_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    hidden_size: int = 0
+    num_layers: int = 0
+    intermediate_size: int = 0
+    seed: int = 0
+    activation_checkpointing: bool = False
+    attention_backend: str = "auto"
+    """Varlen kernel of the DACP attention (resolved once per worker, see workers/attention/runtime.py)."""
+
+    def build(self) -> torch.nn.Module:
+        kwargs = dataclasses.asdict(self)
+        del kwargs["attention_backend"]  # a runtime choice of the attention call, not of the model
+        return build_model(**kwargs)
 
 
 def _tiny_config(name: str, dims: dict[str, int]):

@@ -1,6 +1,6 @@
 """One optimizer step of a Skrull worker: run every micro-batch of its payload, then `engine.step()`.
 
-Loss normalization (DESIGN.md 6b). The loss of a global batch is
+Loss normalization (docs/design.md §7). The loss of a global batch is
 
     L = sum over every label token of the global batch of CE / G,   G = payload.global_label_tokens.
 
@@ -13,6 +13,9 @@ Equal backward passes. ZeRO-2 reduces gradients inside every backward, so every 
 number of backwards in the same parameter order. The plan gives every DP rank the same micro-batch count;
 a CP rank with no token in a micro-batch (all sequences local to its peers) runs an *idle* micro-batch: one
 pad token with no target, whose loss is 0 but whose graph touches every parameter like a real one.
+
+Nothing here synchronizes the device except the end of the step on CUDA (so `compute_s` is the real time
+of the step, not of its kernel launches); the loss stays a device tensor until the metrics are reduced.
 """
 
 from __future__ import annotations
@@ -34,10 +37,8 @@ from workers.forward import micro_batch_loss_sum
 class StepStats:
     loss_sum: torch.Tensor
     """This rank's CE sum over its label tokens (detached, fp32, on the model's device)."""
-    num_tokens: int
-    """Tokens this rank ran through the model (its local sequences plus its shards)."""
     compute_s: float
-    """Wall time of forward + backward + optimizer step on this rank."""
+    """Wall time of forward + backward + optimizer step on this rank (device-synchronized)."""
 
 
 def idle_batch(cp_rank: int, cp_size: int, pad_id: int = 0) -> RankBatch:
@@ -47,6 +48,12 @@ def idle_batch(cp_rank: int, cp_size: int, pad_id: int = 0) -> RankBatch:
     ids = [np.array([pad_id], dtype=np.int64)]
     labels = [np.array([IGNORE_INDEX], dtype=np.int64)]
     return build_rank_batch(plan, ids, labels, cp_rank=cp_rank, cp_size=cp_size)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so a wall-clock reading covers it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run_step(
@@ -59,23 +66,20 @@ def run_step(
 ) -> StepStats:
     """Forward/backward every micro-batch with the accumulation boundary on the last, then step."""
     started = time.perf_counter()
-    world_size = groups.dp_size * groups.cp_size
-    scale = world_size / max(payload.global_label_tokens, 1)
+    scale = groups.world_size / max(payload.global_label_tokens, 1)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    num_tokens = 0
     count = len(payload.micro_batches)
     for index, micro_batch in enumerate(payload.micro_batches):
         batch = build_rank_batch(micro_batch.plan, micro_batch.input_ids, micro_batch.labels,
                                  cp_rank=groups.cp_rank, cp_size=groups.cp_size)
-        if batch.input_ids.numel() == 0:
+        if batch.num_tokens == 0:
             batch = idle_batch(groups.cp_rank, groups.cp_size)
-        else:
-            num_tokens += batch.input_ids.numel()
         batch = batch.to(device)
         engine.set_gradient_accumulation_boundary(index == count - 1)
-        micro_loss = micro_batch_loss_sum(engine.module, batch, cp_group=groups.cp_group,
+        micro_loss = micro_batch_loss_sum(engine.module, batch, runtime=groups.attention,
                                           loss_chunk_tokens=loss_chunk_tokens)
         engine.backward(micro_loss * scale, scale_wrt_gas=False)
         loss_sum += micro_loss.detach().float()
     engine.step()
-    return StepStats(loss_sum=loss_sum, num_tokens=num_tokens, compute_s=time.perf_counter() - started)
+    synchronize(device)
+    return StepStats(loss_sum=loss_sum, compute_s=time.perf_counter() - started)

@@ -1,29 +1,30 @@
 """`train_loop_per_worker`: what every Ray Train worker runs.
 
-    get_context() ─▶ ParallelGroups(dp x cp) ─▶ build_model ─▶ deepspeed.initialize (ZeRO-2, generated JSON)
-    for step: fetch payload from the planner ─▶ run_step (micro-batches, DACP attention) ─▶ report
+    get_context() ─▶ ParallelGroups (dp x cp mesh, attention runtime) ─▶ build_engine (ZeRO-2, generated JSON)
+    for step: PlannerClient.fetch ─▶ run_step (micro-batches, DACP attention) ─▶ metrics window
+              every train.log_every steps (and on checkpoint steps): reduce the window ─▶ report
 
-Every rank calls `ray.train.report` once per step (it is a barrier); checkpoints are DeepSpeed checkpoints
-that every rank writes into its own temp dir, merged by Ray Train into one checkpoint of the run.
+`ray.train.report` is a barrier, so every rank reports on the same steps. Checkpoints are DeepSpeed
+checkpoints that every rank writes into its own temp dir, merged by Ray Train into one checkpoint of the run.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from scheduling.actor import fetch_payload, planner_ahead_steps
+from scheduling.actor import PlannerClient
 from scheduling.payload import RankPayload
 from workers.distributed import ParallelGroups
-from workers.step import StepStats, run_step
+from workers.engine import DeepSpeedConfig, build_engine
+from workers.metrics import MetricsWindow
+from workers.models import ModelSpec
+from workers.step import run_step
 
 STATE_FILE = "skrull_state.json"
 
@@ -32,68 +33,19 @@ STATE_FILE = "skrull_state.json"
 class WorkerSettings:
     """Everything a worker needs, built by the driver from the config tree."""
 
-    model: dict[str, Any]
-    """Keyword arguments of `workers.models.build_model`."""
-    deepspeed: dict[str, Any]
+    model: ModelSpec
+    deepspeed: DeepSpeedConfig
     cp_size: int
     total_steps: int
     loss_chunk_tokens: int
     checkpoint_every: int
+    log_every: int
     run_dir: str
     """<storage_path>/<name>: where samples.jsonl is written (by world rank 0)."""
     planner: Any
+    """The PlannerActor handle."""
     seed: int = 0
     first_step: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
-
-def _build_engine(settings: WorkerSettings, device: torch.device) -> Any:
-    import deepspeed  # lazy: the driver and Ray Data workers never need it
-
-    from workers.models import build_model
-
-    torch.manual_seed(settings.seed)  # identical initial weights on every rank for random-init models
-    model = build_model(**settings.model).to(device)
-    model.train()  # from_pretrained returns eval mode, which would also silently skip activation recompute
-    engine, *_ = deepspeed.initialize(model=model, config=settings.deepspeed,
-                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
-    return engine
-
-
-def _step_metrics(stats: StepStats, payload: RankPayload, groups: ParallelGroups, engine: Any,
-                  wait_s: float) -> dict[str, float]:
-    """Reduce this step's numbers over all ranks (one all_reduce and one all_gather of scalars)."""
-    loss_sum = stats.loss_sum.clone()
-    dist.all_reduce(loss_sum, group=groups.world_group)
-    compute = torch.tensor([stats.compute_s], dtype=torch.float64, device=loss_sum.device)
-    gathered = [torch.zeros_like(compute) for _ in range(groups.dp_size * groups.cp_size)]
-    dist.all_gather(gathered, compute, group=groups.world_group)
-    times = torch.cat(gathered).cpu()
-    step_s = float(times.max()) + wait_s
-    grad_norm = engine.get_global_grad_norm()
-    return {
-        "step": payload.step,
-        "epoch": payload.epoch,
-        "loss": float(loss_sum) / max(payload.global_label_tokens, 1),
-        "tokens": payload.global_tokens,
-        "label_tokens": payload.global_label_tokens,
-        "tokens_per_s": payload.global_tokens / max(step_s, 1e-9),
-        "step_s": step_s,
-        "planner_wait_s": wait_s,
-        "plan_ms": payload.plan_ms,
-        "compute_imbalance": float(times.max() / times.mean().clamp_min(1e-9)),
-        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "micro_batches": len(payload.micro_batches),
-        "samples": sum(len(ids) for ids in payload.sample_ids_by_dp_rank),
-        "cursor_epoch": payload.cursor.epoch,
-        "cursor_rows": payload.cursor.rows,
-    }
 
 
 def _append_samples(run_dir: str, payload: RankPayload) -> None:
@@ -105,10 +57,15 @@ def _append_samples(run_dir: str, payload: RankPayload) -> None:
                                   "sample_ids": list(ids)}) + "\n")
 
 
-def _report(metrics: dict[str, float], engine: Any, payload: RankPayload, save: bool) -> None:
-    """The one place that calls ray.train.report; with `save`, every rank writes its DeepSpeed shard."""
+def _report(window: list[dict[str, float]], engine: Any, payload: RankPayload, save: bool) -> None:
+    """The one place that calls ray.train.report; with `save`, every rank writes its DeepSpeed shard.
+
+    The reported metrics are the window's last step, plus every step of the window under "history"
+    (the driver's progress bar and summary read that).
+    """
     import ray.train
 
+    metrics = {**window[-1], "history": window}
     if not save:
         ray.train.report(metrics)
         return
@@ -123,25 +80,27 @@ def _report(metrics: dict[str, float], engine: Any, payload: RankPayload, save: 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
+    import ray.train.torch
 
     settings: WorkerSettings = loop_config["settings"]
     context = ray.train.get_context()
-    world_size = context.get_world_size()
+    world_size, is_rank0 = context.get_world_size(), context.get_world_rank() == 0
     if world_size % settings.cp_size:
         raise ValueError(f"{world_size} workers are not divisible by parallel.cp_size={settings.cp_size}")
-    groups = ParallelGroups.create(world_size // settings.cp_size, settings.cp_size)
-    device = _device()
-    engine = _build_engine(settings, device)
+    device = ray.train.torch.get_device()
+    groups = ParallelGroups.create(world_size // settings.cp_size, settings.cp_size, device=device,
+                                   attention_backend=settings.model.attention_backend)
+    engine = build_engine(settings.model, settings.deepspeed, device, settings.seed)
+    planner = PlannerClient(settings.planner)
+    window = MetricsWindow()
     last = settings.first_step + settings.total_steps - 1
     for step in range(settings.first_step, last + 1):
-        waited = time.perf_counter()
-        payload = fetch_payload(settings.planner, step, groups.dp_rank, groups.cp_rank)
-        wait_s = time.perf_counter() - waited
-        stats = run_step(engine, payload, groups, device=device,
+        fetched = planner.fetch(step, groups.dp_rank, groups.cp_rank)
+        stats = run_step(engine, fetched.payload, groups, device=device,
                          loss_chunk_tokens=settings.loss_chunk_tokens)
-        metrics = _step_metrics(stats, payload, groups, engine, wait_s)
-        if context.get_world_rank() == 0:  # Ray Train keeps rank 0's metrics; one actor call per step
-            metrics["planner_ahead_steps"] = planner_ahead_steps(settings.planner, step)
-            _append_samples(settings.run_dir, payload)
-        every = settings.checkpoint_every
-        _report(metrics, engine, payload, save=step == last or bool(every and step % every == 0))
+        window.add(fetched, stats.loss_sum, engine.get_global_grad_norm(), stats.compute_s)
+        if is_rank0:
+            _append_samples(settings.run_dir, fetched.payload)
+        save = step == last or bool(settings.checkpoint_every and step % settings.checkpoint_every == 0)
+        if save or step % settings.log_every == 0:
+            _report(window.flush(groups.world_group), engine, fetched.payload, save=save)

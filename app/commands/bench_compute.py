@@ -52,17 +52,16 @@ def _device_name(device) -> str:
 def measure(args: argparse.Namespace) -> dict:
     from app.commands.common import config_from_args
     from app.hardware import cost_model_from_config
-    from app.model_args import model_build_kwargs
+    from app.model_args import model_spec
     from scheduling.calibrate import fit_compute
-    from workers.models import build_model
     from workers.tools.profile_compute import compute_cases, measure_compute
 
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     config = config_from_args(args)
-    cost = cost_model_from_config(config)
+    cost = cost_model_from_config(config.model, config.hardware)
     device = _device(args.device)
-    model = build_model(**model_build_kwargs(config)).to(device)
+    model = model_spec(config.model, config.train, tokenizer=config.data.tokenizer).build().to(device)
     model.train()
     max_tokens = args.max_tokens or config.scheduling.bucket_size
     rows = measure_compute(model, compute_cases(max_tokens), repeats=args.repeats,

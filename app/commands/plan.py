@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from app.plan_report import format_table, plan_dry_run, plot_ranks
 
     config = config_from_args(args)
-    cost = cost_model_from_config(config)
+    cost = cost_model_from_config(config.model, config.hardware)
     runs, summary = plan_dry_run(config, cost)
     if args.plot:
         plot_ranks(runs, args.plot)

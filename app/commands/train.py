@@ -1,4 +1,4 @@
-"""`python -m app train --config X [--set k=v] [--json]`: train on Ray (embedded, or at RAY_ADDRESS)."""
+"""`python -m app train --config X [--set k=v] [--json] [--verbose]`: train on Ray."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, required=True)
     add_json_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show Ray's, DeepSpeed's and the workers' own output on the terminal "
+                             "(by default it goes to <run_dir>/logs/driver.log)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -19,11 +22,11 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     # With --json, stdout carries only the summary line; worker errors still surface as exceptions.
-    summary = train(config, progress=not args.no_progress and not args.json, worker_logs=not args.json)
+    summary = train(config, progress=not args.no_progress and not args.json, quiet=not args.verbose)
     if args.json:
         print(json.dumps(summary.to_json_dict()))
     else:
         print(f"trained {summary.steps} steps, {summary.samples} samples, {summary.tokens} tokens: loss "
               f"{summary.loss_first:.4f} -> {summary.loss_last:.4f}, {summary.tokens_per_s:.0f} tokens/s")
-        print(f"run directory: {summary.run_dir}\ncheckpoint: {summary.checkpoint}")
+        print(f"run directory: {summary.run_dir} (log: logs/driver.log)\ncheckpoint: {summary.checkpoint}")
     return 0

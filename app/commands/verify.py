@@ -12,6 +12,7 @@ import argparse
 import json
 
 from app.commands.common import add_config_arguments, add_json_argument
+from app.config import ModelConfig
 from workers.presets import is_tiny_preset
 
 NUM_SAMPLED = 8
@@ -51,12 +52,12 @@ def _lengths(args: argparse.Namespace, cfg) -> tuple[int, ...]:
     return tuple(max(1, round(float(n) * cfg.data.length_scale)) for n in raw)
 
 
-def _model_kwargs(cfg) -> tuple[tuple[str, int], ...]:
-    m = cfg.model
+def _model_kwargs(m: ModelConfig, model: str) -> tuple[tuple[str, int], ...]:
+    """build_model's dimension arguments for `model` (a tiny preset takes the config's tiny dims)."""
     dims = dict(vocab_size=m.vocab_size, num_attention_heads=m.num_attention_heads,
                 num_key_value_heads=m.num_key_value_heads, hidden_size=m.hidden_size,
                 num_layers=m.num_layers, intermediate_size=m.intermediate_size)
-    if not is_tiny_preset(m.name_or_path):
+    if not is_tiny_preset(model):
         dims = {"vocab_size": m.vocab_size, "random_init": m.random_init}
     return tuple((k, v) for k, v in dims.items() if v)
 
@@ -81,12 +82,10 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     model = args.model or cfg.model.name_or_path or "tiny-qwen2"
-    if model != cfg.model.name_or_path:
-        cfg.model.name_or_path = model
     try:
         spec = ParitySpec(model=model, lengths=_lengths(args, cfg), cp_size=args.cp,
                           distribute=args.distribute, dtype=args.dtype or cfg.model.dtype, seed=args.seed,
-                          model_kwargs=_model_kwargs(cfg))
+                          model_kwargs=_model_kwargs(cfg.model, model))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     result = run_parity(spec)

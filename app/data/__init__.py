@@ -6,7 +6,7 @@
     ├── synth.py       seeded Markov-chain chat conversations with exact target token lengths (pure)
     ├── readers.py     format detection, ordered file lists, local (Ray-free) row batches
     ├── ray_ops.py     the callable classes Ray Data runs in `map_batches` (generate, tokenize)
-    ├── pipeline.py    tokenized_dataset(cfg), scan_dataset(cfg) -> DataScan
+    ├── pipeline.py    tokenized_dataset(data_cfg, ...), scan_dataset(dataset, ...) -> DataScan
     └── lengths.py     dataset_token_lengths(data_cfg): token counts without Ray, for the `plan` dry run
 
 Nothing here imports torch, and nothing imports Ray at module level: pipeline.py imports it inside its

@@ -5,7 +5,7 @@
     data.source=synthetic  the synthetic targets (the generator hits them exactly: see app/data/synth.py),
                            raised to the shortest conversation the template allows
 
-No length limit is applied: the caller compares the lengths with max_sequence_length(cfg) itself.
+No length limit is applied: the caller compares the lengths with SkrullConfig.max_sequence_length itself.
 """
 
 from __future__ import annotations

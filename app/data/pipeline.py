@@ -18,12 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from app.config import SkrullConfig, max_sequence_length
+from app.config import DataConfig
 from app.data import DataError
 from app.data.ray_ops import SynthesizeBatch, TokenizeBatch
 from app.data.readers import load_hf_dataset, resolve_source
-from app.data.template import STATUSES, USABLE, TemplateSettings
+from app.data.template import TemplateSettings
 from app.data.tokenizer import load_tokenizer
+from scheduling.payload import ROW_STATUSES, USABLE_STATUSES
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,7 +37,7 @@ class DataScan:
 
     @property
     def num_usable(self) -> int:
-        return int(sum(self.counts.get(status, 0) for status in USABLE))
+        return int(sum(self.counts.get(status, 0) for status in USABLE_STATUSES))
 
     def summary(self) -> str:
         """One line for logs: usable rows and tokens, then every non-zero status count."""
@@ -45,40 +46,38 @@ class DataScan:
         return "data: " + ", ".join(parts)
 
 
-def template_settings(cfg: SkrullConfig) -> TemplateSettings:
-    data = cfg.data
-    return TemplateSettings(chat_template=data.chat_template, labels=data.labels,
-                            max_length=max_sequence_length(cfg), too_long=data.too_long)
+def template_settings(data: DataConfig, max_length: int) -> TemplateSettings:
+    return TemplateSettings(chat_template=data.chat_template, labels=data.labels, max_length=max_length,
+                            too_long=data.too_long)
 
 
-def tokenized_dataset(cfg: SkrullConfig, lengths_only: bool = False) -> Any:
+def tokenized_dataset(data: DataConfig, *, max_length: int, num_cpus: float) -> Any:
     """The run's tokenized rows as a lazy `ray.data.Dataset` (columns: see module docstring).
 
-    lengths_only drops input_ids / labels (what `scan_dataset` needs). Raises DataError before starting
-    anything if data.path / data.format / data.tokenizer are unusable.
+    max_length is the run's longest sequence (SkrullConfig.max_sequence_length); num_cpus what each Ray
+    Data actor reserves (resources.data_cpus). Raises DataError before starting anything if data.path /
+    data.format / data.tokenizer are unusable.
     """
     import ray.data
 
-    data = cfg.data
     tok = load_tokenizer(data.tokenizer)  # fail on the driver, not inside an actor
     if data.chat_template or data.source == "synthetic":
         tok.require_chat_ids()
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    source, json_lines = _source_dataset(cfg)
+    source, json_lines = _source_dataset(data, num_cpus)
     return source.map_batches(
         TokenizeBatch,
-        fn_constructor_kwargs={"tokenizer": data.tokenizer, "settings": template_settings(cfg),
-                               "json_lines": json_lines, "lengths_only": lengths_only},
+        fn_constructor_kwargs={"tokenizer": data.tokenizer, "settings": template_settings(data, max_length),
+                               "json_lines": json_lines},
         batch_size=data.tokenize_batch_size, batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=cfg.resources.data_cpus,
+        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=num_cpus,
     )
 
 
-def _source_dataset(cfg: SkrullConfig) -> tuple[Any, bool]:
+def _source_dataset(data: DataConfig, num_cpus: float) -> tuple[Any, bool]:
     """(rows dataset, whether its `text` column holds raw JSONL lines)."""
     import ray.data
 
-    data = cfg.data
     if data.source == "synthetic":
         if data.num_samples < 1:
             raise DataError(f"data.num_samples={data.num_samples}: the synthetic source needs >= 1 sample")
@@ -90,7 +89,7 @@ def _source_dataset(cfg: SkrullConfig) -> tuple[Any, bool]:
                                    "num_samples": data.num_samples, "seed": data.seed,
                                    "length_scale": data.length_scale},
             batch_size=data.tokenize_batch_size, batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=cfg.resources.data_cpus,
+            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=num_cpus,
         )
         return rows, False
     source = resolve_source(data)
@@ -102,44 +101,42 @@ def _source_dataset(cfg: SkrullConfig) -> tuple[Any, bool]:
     return ray.data.from_huggingface(dataset), False
 
 
-def scan_dataset(cfg: SkrullConfig) -> DataScan:
-    """Run the pipeline once keeping only lengths and statuses; DataError if the data cannot train.
+def scan_dataset(dataset: Any, data: DataConfig, *, max_length: int) -> DataScan:
+    """One pass over a tokenized dataset's length and status columns; DataError if it cannot train.
 
-    Errors: any row longer than the maximum length with data.too_long=error (names data.too_long,
-    data.max_length and scheduling.bucket_size), or no usable row at all (names data.path).
+    `dataset` is `tokenized_dataset(...)` (the driver materializes it first, so the planner streams the
+    same blocks and nothing is tokenized twice). Errors: any row longer than max_length with
+    data.too_long=error, or no usable row at all (names data.path).
     """
     statuses: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
     raw: list[np.ndarray] = []
-    dataset = tokenized_dataset(cfg, lengths_only=True)
-    for batch in dataset.iter_batches(batch_size=4096, batch_format="numpy"):
+    columns = dataset.select_columns(["status", "num_tokens", "raw_tokens"])
+    for batch in columns.iter_batches(batch_size=4096, batch_format="numpy"):
         statuses.append(np.asarray(batch["status"]).astype(str))
         lengths.append(np.asarray(batch["num_tokens"], dtype=np.int64))
         raw.append(np.asarray(batch["raw_tokens"], dtype=np.int64))
     status = np.concatenate(statuses) if statuses else np.zeros(0, dtype=str)
     num_tokens = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     raw_tokens = np.concatenate(raw) if raw else np.zeros(0, dtype=np.int64)
-    counts = {name: int(np.count_nonzero(status == name)) for name in STATUSES}
-    scan = DataScan(num_rows=len(status), lengths=num_tokens[np.isin(status, USABLE)], counts=counts)
-    check_scan(cfg, scan, raw_tokens[status == "too_long"])
+    counts = {name: int(np.count_nonzero(status == name)) for name in ROW_STATUSES}
+    scan = DataScan(num_rows=len(status), lengths=num_tokens[np.isin(status, USABLE_STATUSES)], counts=counts)
+    check_scan(data, scan, raw_tokens[status == "too_long"], max_length=max_length)
     return scan
 
 
-def check_scan(cfg: SkrullConfig, scan: DataScan, too_long_lengths: np.ndarray) -> None:
+def check_scan(data: DataConfig, scan: DataScan, too_long_lengths: np.ndarray, *, max_length: int) -> None:
     """Turn a scan that cannot train into one DataError naming the knob to change."""
     if len(too_long_lengths):
-        limit = max_sequence_length(cfg)
-        c, n = cfg.scheduling.bucket_size, cfg.parallel.cp_size
         raise DataError(
             f"{len(too_long_lengths)} of {scan.num_rows} rows are longer than the maximum sequence length "
-            f"{limit} tokens (longest: {int(too_long_lengths.max())}); the limit is data.max_length "
-            f"(={cfg.data.max_length}, 0 = no extra cap) capped by scheduling.bucket_size * parallel.cp_size "
-            f"= {c} * {n}. Set data.too_long=truncate or data.too_long=drop, or raise "
-            "scheduling.bucket_size / parallel.cp_size"
+            f"{max_length} tokens (longest: {int(too_long_lengths.max())}); the limit is data.max_length "
+            f"(={data.max_length}, 0 = no extra cap) capped by scheduling.bucket_size * parallel.cp_size. "
+            "Set data.too_long=truncate or data.too_long=drop, or raise scheduling.bucket_size / "
+            "parallel.cp_size"
         )
     if scan.num_usable == 0:
-        where = (f"data.path={cfg.data.path!r}" if cfg.data.source == "path"
-                 else f"data.source=synthetic (data.num_samples={cfg.data.num_samples})")
+        where = (f"data.path={data.path!r}" if data.source == "path"
+                 else f"data.source=synthetic (data.num_samples={data.num_samples})")
         bad = ", ".join(f"{k}={v}" for k, v in scan.counts.items() if v)
         raise DataError(f"no usable rows in {where} ({scan.num_rows} rows: {bad or 'none'})")
-

@@ -48,26 +48,21 @@ class TokenizeBatch:
     """Batch of rows -> tokenized rows (see app/data/template.py for the template, labels and statuses).
 
     json_lines: the batch is `ray.data.read_text` output whose `text` column holds raw JSONL lines.
-    lengths_only: emit only num_tokens / raw_tokens / status (the cheap pre-scan of `scan_dataset`).
     """
 
-    def __init__(self, tokenizer: str, settings: TemplateSettings, json_lines: bool = False,
-                 lengths_only: bool = False) -> None:
+    def __init__(self, tokenizer: str, settings: TemplateSettings, json_lines: bool = False) -> None:
         self.tok = load_tokenizer(tokenizer)
         self.settings = settings
         self.json_lines = json_lines
-        self.lengths_only = lengths_only
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         out = tokenize_rows(self._rows(batch), self.tok, self.settings)
-        columns: dict[str, Any] = {
+        return pa.table({
+            "input_ids": int32_lists(out.input_ids), "labels": int32_lists(out.labels),
             "num_tokens": pa.array(out.num_tokens, pa.int64()),
             "raw_tokens": pa.array(out.raw_tokens, pa.int64()),
             "status": pa.array(out.status, pa.string()),
-        }
-        if not self.lengths_only:
-            columns = {"input_ids": int32_lists(out.input_ids), "labels": int32_lists(out.labels), **columns}
-        return pa.table(columns)
+        })
 
     def _rows(self, batch: pa.Table) -> list[dict[str, Any]]:
         if self.json_lines:

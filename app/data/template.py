@@ -31,10 +31,8 @@ from typing import Any
 import numpy as np
 
 from app.data.tokenizer import TextTokenizer
+from scheduling.payload import IGNORE_INDEX
 
-IGNORE_INDEX = -100
-STATUSES = ("ok", "empty", "malformed", "truncated", "dropped", "too_long")
-USABLE = ("ok", "truncated")
 _TOO_LONG_STATUS = {"truncate": "truncated", "drop": "dropped", "error": "too_long"}
 
 

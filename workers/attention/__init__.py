@@ -2,10 +2,11 @@
 
 from workers.attention.dacp import dacp_attention
 from workers.attention.hf import ATTENTION_NAME, register_dacp_attention
-from workers.attention.kernels import VarlenKernel, get_kernel, kernel_for
+from workers.attention.kernels import BACKENDS, VarlenKernel, make_kernel
 from workers.attention.layout import DacpLayout
+from workers.attention.runtime import AttentionRuntime
 
 __all__ = [
-    "ATTENTION_NAME", "DacpLayout", "VarlenKernel", "dacp_attention", "get_kernel", "kernel_for",
-    "register_dacp_attention",
+    "ATTENTION_NAME", "BACKENDS", "AttentionRuntime", "DacpLayout", "VarlenKernel", "dacp_attention",
+    "make_kernel", "register_dacp_attention",
 ]

@@ -4,6 +4,9 @@ Each `start` posts one async send of a tensor to the next rank of the ring and o
 previous rank (batch_isend_irecv), and returns at once; `wait` blocks until both completed. Peers are
 global ranks computed from the group, so no call ever touches the default group. On CUDA the P2P ops
 are issued on a dedicated communication stream, and the compute stream waits for it only in `wait`.
+
+One RingComm exists per CP group and worker: AttentionRuntime.create builds it next to the group
+(workers/attention/runtime.py) and every attention call of that worker reuses it, comm stream included.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ class Pending:
 
 
 class RingComm:
+    """This rank's place in the ring of `group`: send to cp_rank + 1, receive from cp_rank - 1."""
+
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.rank = dist.get_rank(group)

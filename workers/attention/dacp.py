@@ -5,37 +5,23 @@
     backward: post K/V transfer #1 -> local backward            -> diagonal block -> ring steps
 
 The local and distributed parts share no keys, so the local attention is the work that hides the
-first ring transfer (DESIGN.md 6b). `overlap=False` runs the same work serialized (local first, then
-the ring posts its first transfer), which only the benchmark uses as a comparison.
+first ring transfer (docs/design.md section 7). `overlap=False` runs the same work serialized (local
+first, then the ring posts its first transfer), which only the benchmark uses as a comparison.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from workers.attention.comm import RingComm
-from workers.attention.kernels import VarlenKernel, kernel_for
 from workers.attention.layout import DacpLayout
 from workers.attention.ring import ring_backward, ring_forward
-
-_COMMS: dict[int, RingComm] = {}
-
-
-def _comm_for(group: dist.ProcessGroup | None) -> RingComm | None:
-    """One RingComm per group (it owns the CUDA comm stream); None when there is no CP."""
-    if group is None or dist.get_world_size(group) == 1:
-        return None
-    comm = _COMMS.get(id(group))
-    if comm is None or comm.group is not group:
-        comm = _COMMS[id(group)] = RingComm(group)
-    return comm
+from workers.attention.runtime import AttentionRuntime, default_runtime
 
 
-def _check(comm: RingComm | None, layout: DacpLayout, num_tokens: int) -> None:
-    size = comm.size if comm is not None else 1
-    if layout.cp_size != size:
-        raise ValueError(f"batch built for cp_size={layout.cp_size} but the CP group has {size} ranks")
+def _check(runtime: AttentionRuntime, layout: DacpLayout, num_tokens: int) -> None:
+    if layout.cp_size != runtime.cp_size:
+        raise ValueError(f"batch built for cp_size={layout.cp_size} but the CP group has "
+                         f"{runtime.cp_size} ranks")
     if layout.num_tokens != num_tokens:
         raise ValueError(f"layout describes {layout.num_tokens} tokens but the stream has {num_tokens}")
 
@@ -93,19 +79,23 @@ class _DacpAttention(torch.autograd.Function):
 
 def dacp_attention(
     q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor, layout: DacpLayout,
-    group: dist.ProcessGroup | None = None, *, scale: float | None = None, backend: str = "auto",
-    overlap: bool = True,
+    runtime: AttentionRuntime | None = None, *, scale: float | None = None, overlap: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of one CP rank's packed DACP stream; returns (out [T,H,D], lse [H,T] fp32).
 
-    q [T, H, D]; k, v [T, G, D] with H % G == 0. `group` is the CP group (None or size 1: no CP).
-    Differentiable in q, k, v (lse is not). Every rank of the group must call it with layouts built
-    from the same plan (the distributed part has the same shape on all ranks).
+    q [T, H, D]; k, v [T, G, D] with H % G == 0. `runtime` carries the kernel and the CP group's ring
+    communicator (None: the single-rank "auto" runtime of q's device). Differentiable in q, k, v (lse is
+    not). Every rank of the group must call it with layouts built from the same plan (the distributed
+    part has the same shape on all ranks).
     """
+    if runtime is None:
+        runtime = default_runtime(q_THD.device)
+    elif not isinstance(runtime, AttentionRuntime):
+        # The old signature took the CP process group here.
+        raise TypeError(f"dacp_attention takes an AttentionRuntime (AttentionRuntime.create(cp_group, "
+                        f"device, backend)), got {type(runtime).__name__}")
     if q_THD.shape[1] % k_KGD.shape[1]:
         raise ValueError(f"query heads {q_THD.shape[1]} not divisible by key/value heads {k_KGD.shape[1]}")
-    comm = _comm_for(group)
-    _check(comm, layout, q_THD.shape[0])
-    kernel: VarlenKernel = kernel_for(q_THD.device, backend)
+    _check(runtime, layout, q_THD.shape[0])
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    return _DacpAttention.apply(q_THD, k_KGD, v_KGD, layout, comm, scale, kernel, overlap)
+    return _DacpAttention.apply(q_THD, k_KGD, v_KGD, layout, runtime.comm, scale, runtime.kernel, overlap)

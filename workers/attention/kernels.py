@@ -18,20 +18,43 @@ Backends:
   only; what travels over the ring stays G-headed.
 - "torch-flash" (CUDA, bf16/fp16): PyTorch's own FlashAttention-2 varlen op (aten._flash_attention_forward
   / _backward), one call for all segments, GQA native; needs nothing beyond a CUDA build of torch.
-- "flash" (CUDA): the flash-attn 2 package's varlen forward/backward, imported lazily (`[gpu]` extra).
-- "auto": flash when flash-attn imports and the tensors are on CUDA, torch-flash on CUDA otherwise,
+- "flash" (CUDA): the flash-attn 2 package's varlen forward/backward, imported lazily (`[gpu]` extra,
+  flash-attn FLASH_ATTN_VERSIONS). Its backward is flash-attn's private `_flash_attn_varlen_backward`,
+  called by keyword only (FLASH_VARLEN_BACKWARD_KWARGS): 2.6 took `window_size` as one tuple, 2.7 split
+  it into window_size_left / window_size_right, and 2.7.3 appended `zero_tensors` (defaulted): a
+  positional call binds values to the wrong parameters on another version, a keyword call cannot.
+- "auto": flash when flash-attn is installed and the device is CUDA, torch-flash on CUDA otherwise,
   torch on CPU.
+
+`make_kernel(name, device)` resolves the name once (a worker builds its kernel when it builds its
+process groups, see workers/attention/runtime.py), never per attention call.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 Cu = Sequence[int]
+
+BACKENDS = ("auto", "torch", "torch-flash", "flash")
+"""Values of `model.attention_backend`."""
+
+FLASH_ATTN_VERSIONS = ">=2.7,<2.9"
+"""flash-attn releases whose `_flash_attn_varlen_backward` accepts FLASH_VARLEN_BACKWARD_KWARGS (checked
+against the 2.6.3, 2.7.0-2.7.4 and 2.8.0-2.8.3 sources; 2.6 has `window_size` instead): the `gpu` extra."""
+
+FLASH_VARLEN_BACKWARD_KWARGS = (
+    "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+    "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size_left",
+    "window_size_right", "softcap", "alibi_slopes", "deterministic",
+)
+"""Exactly the keywords FlashAttnKernel.backward passes: every parameter of the 2.7+ signature without a
+default (the optional rng_state and zero_tensors keep their defaults)."""
 
 
 class VarlenKernel(Protocol):
@@ -76,7 +99,7 @@ class TorchCpuKernel:
         num_t, heads, _ = q_THD.shape
         out_THD = torch.zeros_like(q_THD)
         # Rows that see no key keep lse = -inf so a log-sum-exp merge ignores them (the aten op
-        # would report 0 there: STACK_NOTES' lse=0 trap).
+        # would report 0 there: the lse = 0 trap, docs/design.md section 9).
         lse_HT = torch.full((heads, num_t), float("-inf"), dtype=torch.float32, device=q_THD.device)
         for q0, q1, k0, k1 in _segments(cu_q, cu_k, causal):
             q = q_THD[q0:q1].transpose(0, 1).unsqueeze(0)
@@ -167,17 +190,54 @@ class TorchFlashKernel:
         )
 
 
-class FlashAttnKernel:
-    """flash-attn 2 varlen (CUDA). lse_HT is flash-attn's softmax_lse layout [H, total_q], fp32."""
+def flash_backward_parameters(fai: Any) -> dict[str, inspect.Parameter] | None:
+    """Parameters of `fai._flash_attn_varlen_backward`, or None when they cannot be read.
 
-    def __init__(self) -> None:
-        try:
-            from flash_attn import flash_attn_interface as fai
-        except ImportError as err:
-            raise ImportError(
-                "the 'flash' attention backend needs flash-attn on a CUDA machine: "
-                "pip install 'skrull-on-ray[gpu]' (or use the 'torch' backend on CPU)"
-            ) from err
+    From 2.7 on the function is wrapped by torch.library.custom_op, whose own signature is
+    (*args, **kwargs); the wrapped Python function (`_init_fn`) carries the real one.
+    """
+    fn = fai._flash_attn_varlen_backward
+    try:
+        params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return dict(params)
+
+
+def flash_backward_mismatch(params: dict[str, inspect.Parameter]) -> list[str]:
+    """What our keyword call gets wrong against `params`: keywords it lacks, required ones we omit."""
+    unknown = [f"unknown keyword {n!r}" for n in FLASH_VARLEN_BACKWARD_KWARGS if n not in params]
+    omitted = [f"required parameter {n!r} not passed" for n, p in params.items()
+               if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+               and n not in FLASH_VARLEN_BACKWARD_KWARGS]
+    return unknown + omitted
+
+
+class FlashAttnKernel:
+    """flash-attn 2 varlen (CUDA). lse_HT is flash-attn's softmax_lse layout [H, total_q], fp32.
+
+    `fai` is the flash_attn.flash_attn_interface module (imported when not given; tests pass a stand-in).
+    The installed backward's signature is checked once here, so a flash-attn outside
+    FLASH_ATTN_VERSIONS fails when the worker builds its kernel, not in the first backward step.
+    """
+
+    def __init__(self, fai: Any = None) -> None:
+        if fai is None:
+            try:
+                from flash_attn import flash_attn_interface as fai
+            except ImportError as err:
+                raise ImportError(
+                    "the 'flash' attention backend needs flash-attn on a CUDA machine: "
+                    "pip install 'skrull-on-ray[gpu]' (or use the 'torch' backend on CPU)"
+                ) from err
+            params = flash_backward_parameters(fai)
+            problems = flash_backward_mismatch(params) if params is not None else []
+            if problems:
+                raise ImportError(f"the installed flash-attn's _flash_attn_varlen_backward does not match "
+                                  f"our call ({'; '.join(problems)}): install "
+                                  f"flash-attn{FLASH_ATTN_VERSIONS} (pip install 'skrull-on-ray[gpu]')")
         self._fai = fai
 
     def forward(self, q_THD, k_KGD, v_KGD, cu_q, cu_k, *, causal, scale):
@@ -185,9 +245,10 @@ class FlashAttnKernel:
             return _empty_forward(q_THD)
         cq, mq = _cu_tensor(cu_q, q_THD.device)
         ck, mk = _cu_tensor(cu_k, q_THD.device)
+        # Public API, same keywords in 2.6-2.8; return_attn_probs adds (softmax_lse, S_dmask) to out.
         out, lse, _ = self._fai.flash_attn_varlen_func(
-            q_THD, k_KGD, v_KGD, cq, ck, mq, mk, dropout_p=0.0, softmax_scale=scale, causal=causal,
-            return_attn_probs=True,
+            q=q_THD, k=k_KGD, v=v_KGD, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=mq, max_seqlen_k=mk,
+            dropout_p=0.0, softmax_scale=scale, causal=causal, return_attn_probs=True,
         )
         return out, lse.float()
 
@@ -197,22 +258,18 @@ class FlashAttnKernel:
             return dq, dk, dv
         cq, mq = _cu_tensor(cu_q, q_THD.device)
         ck, mk = _cu_tensor(cu_k, q_THD.device)
+        # Writes dq, dk, dv in place. Keywords only, exactly FLASH_VARLEN_BACKWARD_KWARGS (module docstring).
         self._fai._flash_attn_varlen_backward(
-            dout_THD.contiguous(), q_THD, k_KGD, v_KGD, out_THD, lse_HT.contiguous(), dq, dk, dv,
-            cq, ck, mq, mk, 0.0, scale, causal, -1, -1, 0.0, None, False,
+            dout=dout_THD.contiguous(), q=q_THD, k=k_KGD, v=v_KGD, out=out_THD,
+            softmax_lse=lse_HT.contiguous(), dq=dq, dk=dk, dv=dv, cu_seqlens_q=cq, cu_seqlens_k=ck,
+            max_seqlen_q=mq, max_seqlen_k=mk, dropout_p=0.0, softmax_scale=scale, causal=causal,
+            window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
         )
         return dq, dk, dv
 
 
 _KERNELS: dict[str, type] = {"torch": TorchCpuKernel, "torch-flash": TorchFlashKernel,
                               "flash": FlashAttnKernel}
-
-
-def get_kernel(name: str) -> VarlenKernel:
-    """Kernel by name: torch | torch-flash | flash."""
-    if name not in _KERNELS:
-        raise ValueError(f"attention backend {name!r} is not one of: auto, {', '.join(_KERNELS)}")
-    return _KERNELS[name]()
 
 
 @functools.cache
@@ -222,12 +279,26 @@ def _flash_attn_installed() -> bool:
     return find_spec("flash_attn") is not None
 
 
-def auto_backend(device: torch.device) -> str:
-    """flash (flash-attn installed) or torch-flash on CUDA; torch on CPU."""
-    if device.type != "cuda":
-        return "torch"
-    return "flash" if _flash_attn_installed() else "torch-flash"
+def resolve_backend(name: str, device: torch.device) -> str:
+    """A `model.attention_backend` value -> a concrete kernel name for `device`.
+
+    auto: flash (flash-attn installed) or torch-flash on CUDA, torch elsewhere. An explicit kernel that
+    cannot run on `device` is refused here, at worker start, rather than at the first attention call.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"model.attention_backend={name!r} is not one of: {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    if name == "auto":
+        if device.type != "cuda":
+            return "torch"
+        return "flash" if _flash_attn_installed() else "torch-flash"
+    if (name == "torch") != (device.type != "cuda"):
+        need = "a non-CUDA device (it is aten's CPU op)" if name == "torch" else "a CUDA device"
+        raise ValueError(f"model.attention_backend={name!r} needs {need}, but this worker computes on "
+                         f"{device}: use 'auto'")
+    return name
 
 
-def kernel_for(device: torch.device, name: str = "auto") -> VarlenKernel:
-    return get_kernel(auto_backend(device) if name == "auto" else name)
+def make_kernel(name: str, device: torch.device) -> VarlenKernel:
+    """Build the kernel `name` (a BACKENDS value, "auto" resolved for `device`) once."""
+    return _KERNELS[resolve_backend(name, device)]()

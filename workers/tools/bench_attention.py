@@ -69,9 +69,10 @@ def _bench_rank(rank: int, world: int, cases: dict, dims: tuple, repeats: int) -
     import torch
     import torch.distributed as dist
 
-    from workers.attention import dacp_attention
+    from workers.attention import AttentionRuntime, dacp_attention
 
     group = dist.new_group(list(range(world)))
+    runtime = AttentionRuntime.create(group, torch.device("cpu"))  # gloo ranks: the CPU kernel
     results: dict[str, dict[str, float]] = {}
     for mix, (lengths, plans) in cases.items():
         inputs = {name: _inputs(rank, world, plan, lengths, dims) for name, plan in plans.items()}
@@ -80,7 +81,7 @@ def _bench_rank(rank: int, world: int, cases: dict, dims: tuple, repeats: int) -
             for name, (layout, (q, k, v)) in inputs.items():
                 dist.barrier(group=group)
                 start = time.perf_counter()
-                out, _ = dacp_attention(q, k, v, layout, group, overlap=name != "serialized")
+                out, _ = dacp_attention(q, k, v, layout, runtime, overlap=name != "serialized")
                 out.backward(torch.ones_like(out))
                 elapsed = torch.tensor(time.perf_counter() - start)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)

@@ -1,8 +1,8 @@
 """Parity check: one sharded DACP forward+backward over N CP processes vs the unsharded HF model.
 
     parent: model (seeded) -> state_dict ; tokens + labels ; DACP plan
-      |-- spawn N ranks (gloo / NCCL): same weights, build_rank_batch, micro_batch_loss_sum / total
-      |   labels, backward -> (loss, grads) per rank
+      |-- spawn N ranks (gloo / NCCL): same weights, AttentionRuntime over a CP group of N ranks,
+      |   build_rank_batch, micro_batch_loss_sum / total labels, backward -> (loss, grads) per rank
       '-- reference: the same weights with transformers' own "sdpa" attention, each sequence run
           separately with labels and num_items_in_batch = total label tokens (HF's summed CE / count)
     compare: sum over ranks vs reference; loss abs diff, per-parameter max |a - b| and
@@ -95,15 +95,18 @@ def _rank(rank: int, world: int, spec: ParitySpec, weights: str, plan, ids, labe
     import torch
     import torch.distributed as dist
 
+    from workers.attention import AttentionRuntime
     from workers.batch import build_rank_batch
     from workers.forward import micro_batch_loss_sum
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model = _build(spec).to(device)
     model.load_state_dict(torch.load(weights, weights_only=True))
     group = dist.new_group(list(range(world)))
+    runtime = AttentionRuntime.create(group, device)  # once per rank, as a training worker does
     batch = build_rank_batch(plan, ids, labels, cp_rank=rank, cp_size=world)
-    loss = micro_batch_loss_sum(model, batch, cp_group=group) / total
+    loss = micro_batch_loss_sum(model, batch, runtime=runtime) / total
     loss.backward()
     grads = {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
     return {"loss": loss.item(), "grads": grads, "tokens": batch.num_tokens}

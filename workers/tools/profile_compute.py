@@ -1,9 +1,10 @@
 """Measure forward+backward time of the model on packed single-device streams (`skrull bench compute`).
 
 Each case is a list of sequence lengths packed into one stream and run exactly as a worker runs a
-micro-batch with every sequence local (DACP attention, chunked loss, backward), with no process group:
-what is timed is compute plus kernel launches, not communication. Cases differ both in tokens and in
-how long their sequences are, so the fit sees the attention's S^2 term and the linear terms apart.
+micro-batch with every sequence local (DACP attention, chunked loss, backward), with no process group
+(a single-rank attention runtime of the configured backend, built once for all cases): what is timed is
+compute plus kernel launches, not communication. Cases differ both in tokens and in how long their
+sequences are, so the fit sees the attention's S^2 term and the linear terms apart.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from scheduling import DacpPlan
+from workers.attention.runtime import AttentionRuntime
 from workers.batch import build_rank_batch
 from workers.forward import micro_batch_loss_sum
 
@@ -38,8 +40,12 @@ def _sync(device: torch.device) -> None:
 
 
 def time_micro_batch(model: torch.nn.Module, lengths: Sequence[int], *, repeats: int, warmup: int = 1,
-                     loss_chunk_tokens: int = 4096, seed: int = 0) -> list[float]:
-    """Wall seconds of `repeats` forward+backward passes over one packed stream of `lengths`."""
+                     loss_chunk_tokens: int = 4096, seed: int = 0,
+                     runtime: AttentionRuntime | None = None) -> list[float]:
+    """Wall seconds of `repeats` forward+backward passes over one packed stream of `lengths`.
+
+    `runtime`: the single-rank attention runtime (None: the "auto" kernel of the model's device).
+    """
     device = model.get_input_embeddings().weight.device
     vocab = model.config.vocab_size
     rng = np.random.default_rng(seed)
@@ -51,7 +57,7 @@ def time_micro_batch(model: torch.nn.Module, lengths: Sequence[int], *, repeats:
         model.zero_grad(set_to_none=True)
         _sync(device)
         start = time.perf_counter()
-        micro_batch_loss_sum(model, batch, loss_chunk_tokens=loss_chunk_tokens).backward()
+        micro_batch_loss_sum(model, batch, runtime=runtime, loss_chunk_tokens=loss_chunk_tokens).backward()
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
@@ -59,11 +65,17 @@ def time_micro_batch(model: torch.nn.Module, lengths: Sequence[int], *, repeats:
 
 
 def measure_compute(model: torch.nn.Module, cases: Sequence[Sequence[int]], *, repeats: int,
-                    loss_chunk_tokens: int = 4096) -> list[dict]:
-    """Per case: lengths, tokens, median and min seconds over `repeats` (after one warm-up pass)."""
+                    loss_chunk_tokens: int = 4096, attention_backend: str = "auto") -> list[dict]:
+    """Per case: lengths, tokens, median and min seconds over `repeats` (after one warm-up pass).
+
+    `attention_backend` is `model.attention_backend`, so the profile times the kernel training runs.
+    """
+    device = model.get_input_embeddings().weight.device
+    runtime = AttentionRuntime.create(None, device, attention_backend)
     rows = []
     for lengths in cases:
-        times = time_micro_batch(model, lengths, repeats=repeats, loss_chunk_tokens=loss_chunk_tokens)
+        times = time_micro_batch(model, lengths, repeats=repeats, loss_chunk_tokens=loss_chunk_tokens,
+                                 runtime=runtime)
         rows.append({"lengths": list(lengths), "tokens": int(sum(lengths)),
                      "seconds_median": statistics.median(times), "seconds_min": min(times)})
     return rows

@@ -1,0 +1,112 @@
+"""Every scheduling policy behind one call, `plan_step`, from one registry: name -> planning function.
+
+| policy           | DP split              | micro-batches                        | inside a micro-batch  |
+|------------------|-----------------------|--------------------------------------|-----------------------|
+| skrull           | GDS (LPT by FLOPs)    | GDS strided, roll-back, count tried  | DACP + refinement     |
+|                  |                       | by modeled time; whole-plan fallback | (or all sharded when  |
+|                  |                       | to gds_only when that models faster  | modeled faster)       |
+| static_cp        | data order, rank r::D | k consecutive sequences (k=1)        | all sharded           |
+| static_cp_packed | data order, rank r::D | consecutive, packed to C per rank    | all sharded           |
+| sorted           | LongAlign: sort, pack consecutive to C per rank, shuffle | all sharded           |
+|                  | the groups (seeded), deal them round-robin to DP ranks   |                       |
+| roundrobin       | GDS                   | GDS                                  | DACP round-robin      |
+|                  |                       |                                      | (App. B.2), no refine |
+| dacp_only        | data order, rank r::D | consecutive, packed to C*N tokens    | DACP + refinement     |
+| gds_only         | GDS                   | GDS (fit: sum ceil(S/N) <= C)        | all sharded           |
+
+skrull lives in scheduling.skrull, roundrobin and gds_only are plan_gds options (scheduling.gds), the
+rest are scheduling.baselines. Every registry entry takes plan_step's keywords (the `Policy` signature)
+and ignores those it does not use, so plan_step is one lookup; POLICIES is the registry's names in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from scheduling.baselines import dacp_only, sorted_batching, static_cp, static_cp_packed
+from scheduling.cost import CostModel
+from scheduling.dacp import check_fits
+from scheduling.gds import plan_gds
+from scheduling.plans import SchedulingError, StepPlan
+from scheduling.skrull import skrull
+
+
+class Policy(Protocol):
+    """One policy: a StepPlan of `lengths` whose indices refer to `lengths`."""
+
+    def __call__(self, lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
+                 cost: CostModel, seed: int, static_cp_micro_batch: int) -> StepPlan: ...
+
+
+# Adapters to the Policy signature. seed only matters to sorted batching (group shuffle) and
+# static_cp_micro_batch only to static_cp; cost is unused by the all-sharded baselines' batching.
+
+def _skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
+            seed: int, static_cp_micro_batch: int) -> StepPlan:
+    return skrull(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost)
+
+
+def _static_cp(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
+               seed: int, static_cp_micro_batch: int) -> StepPlan:
+    return static_cp(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
+                     micro_batch=static_cp_micro_batch)
+
+
+def _static_cp_packed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
+                      cost: CostModel, seed: int, static_cp_micro_batch: int) -> StepPlan:
+    return static_cp_packed(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size)
+
+
+def _sorted(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
+            seed: int, static_cp_micro_batch: int) -> StepPlan:
+    return sorted_batching(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, seed=seed)
+
+
+def _roundrobin(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
+                cost: CostModel, seed: int, static_cp_micro_batch: int) -> StepPlan:
+    return plan_gds(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
+                    placement="roundrobin", refine=False)
+
+
+def _dacp_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
+               seed: int, static_cp_micro_batch: int) -> StepPlan:
+    return dacp_only(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost)
+
+
+def _gds_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
+              seed: int, static_cp_micro_batch: int) -> StepPlan:
+    return plan_gds(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
+                    execution="static")
+
+
+REGISTRY: dict[str, Policy] = {
+    "skrull": _skrull,
+    "static_cp": _static_cp,
+    "static_cp_packed": _static_cp_packed,
+    "sorted": _sorted,
+    "roundrobin": _roundrobin,
+    "dacp_only": _dacp_only,
+    "gds_only": _gds_only,
+}
+"""Policy name (the value of `scheduling.policy`) -> planning function."""
+
+POLICIES = tuple(REGISTRY)
+
+
+def check_policy(name: str) -> str:
+    """`name` if it names a registered policy, else SchedulingError naming `scheduling.policy`."""
+    if name not in REGISTRY:
+        raise SchedulingError(f"scheduling.policy={name!r} is not one of: {', '.join(POLICIES)}")
+    return name
+
+
+def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
+              cost: CostModel, seed: int = 0, static_cp_micro_batch: int = 1) -> StepPlan:
+    """Plan one global batch with `policy` (one of POLICIES); indices in the plan refer to `lengths`."""
+    planner = REGISTRY[check_policy(policy)]
+    if dp_size < 1:
+        raise SchedulingError(f"DP size must be >= 1 (parallel.num_workers / parallel.cp_size): {dp_size}")
+    check_fits(lengths, cp_size, bucket_size)
+    return planner(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
+                   seed=seed, static_cp_micro_batch=static_cp_micro_batch)
