@@ -67,15 +67,41 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[N
     if previous:
         ray.init(address=previous, log_to_driver=worker_logs)
     else:
-        num_cpus = config.resources.num_cpus or (os.cpu_count() or 1) + 2
-        context = ray.init(address="local", num_cpus=num_cpus, log_to_driver=worker_logs)
-        os.environ["RAY_ADDRESS"] = context.address_info["address"]
+        start_local_ray(config.resources.num_cpus or (os.cpu_count() or 1) + 2, log_to_driver=worker_logs)
     try:
         yield
     finally:
         ray.shutdown()
         if previous is None:
             os.environ.pop("RAY_ADDRESS", None)
+
+
+def start_local_ray(num_cpus: float, *, log_to_driver: bool) -> str:
+    """Start an embedded Ray on loopback whose address every process of it knows; returns the address.
+
+    The GCS port is chosen up front so that the address can go into the job's environment: Ray Train's
+    detached placement-group cleaner (and anything else calling Ray's state API from inside the cluster)
+    resolves "the" cluster from RAY_ADDRESS, and without it picks the newest Ray on the machine, which may
+    be someone's `ray start` cluster. The caller owns os.environ["RAY_ADDRESS"], set here for the driver.
+    """
+    import ray
+
+    from workers.tools.launch import free_port
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    saved = os.environ.get("RAY_GCS_SERVER_PORT")
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # read by ray.init when it starts the head node
+    try:
+        ray.init(address="local", num_cpus=num_cpus, log_to_driver=log_to_driver,
+                 _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_GCS_SERVER_PORT")
+        else:
+            os.environ["RAY_GCS_SERVER_PORT"] = saved
+    os.environ["RAY_ADDRESS"] = address
+    return address
 
 
 def _use_gpu(config: SkrullConfig) -> bool:

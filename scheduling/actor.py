@@ -206,7 +206,3 @@ class PlannerClient:
         payload = ray.get(ref)
         return Fetched(payload=payload, wait_s=time.perf_counter() - started, ahead_steps=planned - step)
 
-
-def fetch_payload(planner: Any, step: int, dp_rank: int, cp_rank: int) -> RankPayload:
-    """This rank's payload of `step` (tests and tools; workers use PlannerClient)."""
-    return PlannerClient(planner).fetch(step, dp_rank, cp_rank).payload

@@ -9,8 +9,8 @@ Share of sequences below a length (K = 1024 tokens):
 
 Sampling is inverse-CDF on a uniform u, in two pieces:
 
-    u < P(<1K):  the short body, a log-normal (median 300, sigma 1.05: the fit docs/design.md §6 reports for the
-                 long-tail sets, which alone puts 88% below 1K) truncated to [16, 1K) by rejection;
+    u < P(<1K):  the short body, a log-normal (median 300, sigma 1.05: the fit docs/design.md §6 reports
+                 for the long-tail sets, which alone puts 88% below 1K) truncated to [16, 1K) by rejection;
     u >= P(<1K): log-linear interpolation of the quantile function between the table's knots, ending at
                  (1, longest). Between knots the density is log-uniform: a modeling choice, the table
                  pins nothing finer.

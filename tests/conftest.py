@@ -19,9 +19,10 @@ def local_ray() -> Iterator[None]:
     """
     import ray
 
+    from app.driver import start_local_ray
+
     previous = os.environ.pop("RAY_ADDRESS", None)
-    context = ray.init(address="local", num_cpus=4, log_to_driver=False)
-    os.environ["RAY_ADDRESS"] = context.address_info["address"]
+    start_local_ray(4, log_to_driver=False)
     yield
     ray.shutdown()
     os.environ.pop("RAY_ADDRESS", None)

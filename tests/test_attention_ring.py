@@ -89,7 +89,7 @@ def _groups_info(rank: int, world: int) -> dict:
     comm = groups.attention.comm
     info = {"dp_rank": groups.dp_rank, "cp_rank": groups.cp_rank,
             "ring": None if comm is None else [comm.size, comm.rank, comm.prev_peer, comm.next_peer]}
-    for name in ("cp_group", "dp_group", "world_group"):
+    for name in ("cp_group", "world_group"):
         members = torch.zeros(world)
         members[rank] = 1
         dist.all_reduce(members, group=getattr(groups, name))
@@ -158,7 +158,7 @@ def _check_groups(world: int, infos: list) -> list[str]:
         return []
     cp = world // 2
     want = [{"dp_rank": r // cp, "cp_rank": r % cp, "cp_group": [r // cp * cp + c for c in range(cp)],
-             "dp_group": [r % cp, cp + r % cp], "world_group": list(range(world)),
+             "world_group": list(range(world)),
              # [size, cp_rank, previous and next world rank] of the ring inside the CP group
              "ring": None if cp == 1 else [cp, r % cp, base + (r - 1) % cp, base + (r + 1) % cp]}
             for r, base in ((r, r // cp * cp) for r in range(world))]

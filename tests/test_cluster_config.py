@@ -12,7 +12,11 @@ from app.config import REPO_ROOT, load_config
 
 
 def validate(config: dict[str, Any]) -> dict[str, Any]:
-    """What `ray up` does before launching: fill in the provider defaults, then check against the schema."""
+    """What `ray up` does before launching: fill in the provider defaults, then check against the schema.
+
+    Ray has no public validator for cluster-launcher files; these two functions are exactly what `ray up`
+    runs on the file, so the test uses them rather than a copy of Ray's schema.
+    """
     from ray.autoscaler._private.util import prepare_config, validate_config
 
     prepared = prepare_config(copy.deepcopy(config))

@@ -92,3 +92,23 @@ def test_ray_job_submit_trains_the_tiny_config(ray_head: str, auth_env: dict[str
     assert summaries, result.stdout[-3000:]
     assert summaries[-1]["steps"] == 3 and summaries[-1]["samples"] == 24
     assert (tmp_path / "job" / "samples.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_embedded_train_beside_a_running_cluster_is_quiet(ray_head: str, tmp_path: Path) -> None:
+    """No RAY_ADDRESS while a `ray start` cluster runs: the run starts its own Ray and never touches that one;
+    the terminal shows the data summary, the progress bar and the summary, the run's log holds the rest."""
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml",
+               "--set", f"run.storage_path={tmp_path}", "--set", "run.name=quiet", "--set", "train.steps=2",
+               "--set", "data.num_samples=32", "--set", "data.length_scale=0.1"]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    log = (tmp_path / "quiet" / "logs" / "driver.log").read_text()
+    assert result.returncode == 0, result.stderr[-3000:] + log[-3000:]
+    # tqdm redraws its line with \r, so a terminal shows one line per \n.
+    lines = [line for line in (result.stdout + result.stderr).split("\n") if line.strip()]
+    assert len(lines) <= 8, lines
+    assert result.stderr.startswith("data: ") and "trained 2 steps" in result.stdout
+    assert "Reporting training result" in log and "Started a local Ray instance" in log
+    assert "multiple active Ray instances" not in log and "Traceback" not in log

@@ -1,4 +1,4 @@
-"""Synthetic length distributions reproduce the table of docs/design.md §6 (1 percentage point at 100k samples)."""
+"""Synthetic length distributions reproduce docs/design.md §6 (1 percentage point at 100k samples)."""
 
 from __future__ import annotations
 

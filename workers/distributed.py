@@ -5,7 +5,7 @@ World ranks are laid out CP-contiguous (dp_size = 2, cp_size = 3), the row-major
 
     world rank   0 1 2 | 3 4 5
     dp_rank      0 0 0 | 1 1 1        CP groups: {0,1,2} {3,4,5}
-    cp_rank      0 1 2 | 0 1 2        DP groups: {0,3} {1,4} {2,5}
+    cp_rank      0 1 2 | 0 1 2        (DP groups {0,3} {1,4} {2,5}: only DeepSpeed reduces over DP x CP)
 
 The CP group carries the ring of the DACP attention, so its communicator (inside `attention`) lives here,
 created once per worker with the group.
@@ -28,7 +28,6 @@ class ParallelGroups:
     cp_rank: int
     dp_size: int
     cp_size: int
-    dp_group: dist.ProcessGroup
     cp_group: dist.ProcessGroup
     world_group: dist.ProcessGroup
     attention: AttentionRuntime
@@ -52,7 +51,7 @@ class ParallelGroups:
         mesh = init_device_mesh(device.type, (dp_size, cp_size), mesh_dim_names=("dp", "cp"))
         cp_group = mesh.get_group("cp")
         return cls(dp_rank=mesh.get_local_rank("dp"), cp_rank=mesh.get_local_rank("cp"), dp_size=dp_size,
-                   cp_size=cp_size, dp_group=mesh.get_group("dp"), cp_group=cp_group,
+                   cp_size=cp_size, cp_group=cp_group,
                    # The mesh spans the whole default group (init_device_mesh requires it), so the world
                    # group is named explicitly here rather than reached by a collective's default.
                    world_group=dist.group.WORLD,

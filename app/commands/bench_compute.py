@@ -1,7 +1,7 @@
 """`python -m app bench compute`: measure the model's micro-batch compute time and fit the profile.
 
 Runs forward+backward of the configured model on one device over packed streams of several sizes and
-sequence mixes (workers/profile_compute.py), fits T = a*F + b (scheduling/calibrate.py) and prints the
+sequence mixes (workers/tools/profile_compute.py), fits T = a*F + b (scheduling/calibrate.py), prints the
 fitted `mfu` and `micro_batch_launch_s` beside the profile's values, plus the modeled-vs-measured error of
 both, as YAML lines to paste into configs/hardware/<profile>.yaml. One device only: the ring's
 communication rates are not part of this measurement.
@@ -65,7 +65,8 @@ def measure(args: argparse.Namespace) -> dict:
     model.train()
     max_tokens = args.max_tokens or config.scheduling.bucket_size
     rows = measure_compute(model, compute_cases(max_tokens), repeats=args.repeats,
-                           loss_chunk_tokens=config.train.loss_chunk_tokens)
+                           loss_chunk_tokens=config.train.loss_chunk_tokens,
+                           attention_backend=config.model.attention_backend)
     for row in rows:
         row["flops"] = float(sum(cost.flops(n) for n in row["lengths"]))
         row["modeled_s_profile"] = cost.t_comp(row["flops"]) + cost.micro_batch_overhead_s(1)

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from scheduling.payload import IGNORE_INDEX
+
 # fp32: both sides accumulate the same sums in different orders (per-sequence vs packed, ring merges):
 # measured ~1e-7..1e-6 relative, so 1e-5 leaves headroom while catching any real mistake (a leaked
 # token or a missing gradient block moves gradients by >1e-2). bf16: the sharded run computes in bf16
@@ -78,7 +80,7 @@ def make_tokens(spec: ParitySpec, vocab_size: int) -> tuple[list[list[int]], lis
         seq = rng.integers(0, vocab_size, size=n).tolist()
         lab = list(seq)
         for t in range(n // 4):
-            lab[t] = -100
+            lab[t] = IGNORE_INDEX
         ids.append(seq)
         labels.append(lab)
     return ids, labels
@@ -136,7 +138,7 @@ def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
     model = _build(spec)
     ids, labels = make_tokens(spec, model.config.vocab_size)
     plan = make_plan(spec.lengths, spec.cp_size, spec.distribute, model)
-    total = sum(sum(1 for t in lab[1:] if t != -100) for lab in labels)
+    total = sum(sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels)
     with tempfile.TemporaryDirectory(prefix="skrull-verify-") as tmp:
         weights = str(Path(tmp) / "weights.pt")
         torch.save(model.state_dict(), weights)

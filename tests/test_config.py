@@ -1,0 +1,65 @@
+"""The config tree: strict YAML, self-validating frozen sections, one policy list, strict profiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from app.config import ConfigError, SchedulingConfig, SkrullConfig, load_config
+from app.hardware import load_hardware_profile
+from scheduling import POLICIES
+
+
+def test_sections_are_frozen_and_keyword_only() -> None:
+    config = load_config("configs/tiny-cpu.yaml")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.model.name_or_path = "tiny-llama"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        SchedulingConfig("skrull")  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.dtype=fp16", "model.dtype='fp16' is not one of: fp32, bf16"),
+    ("model.attention_backend=xformers", "model.attention_backend='xformers' is not one of"),
+    ("data.too_long=cut", "data.too_long='cut' is not one of: error, truncate, drop"),
+    ("scheduling.policy=fastest", "scheduling.policy='fastest' is not one of: " + ", ".join(POLICIES)),
+    ("scheduling.prefetch=0", "scheduling.prefetch must be >= 1"),
+    ("train.log_every=0", "train.log_every must be >= 1"),
+    ("resources.cpus_per_worker=-1", "resources.cpus_per_worker must be >= 0"),
+    ("parallel.backend=nccl", "parallel.backend=nccl needs GPUs"),
+    ("scheduling.global_batch_size=1", "smaller than the DP size"),
+])
+def test_every_section_checks_its_own_fields(override: str, message: str) -> None:
+    overrides = [override, "parallel.cp_size=1"] if "global_batch_size" in override else [override]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("configs/tiny-cpu.yaml", overrides)
+
+
+def test_every_policy_of_the_registry_is_a_valid_config() -> None:
+    for policy in POLICIES:
+        assert load_config(None, [f"scheduling.policy={policy}"]).scheduling.policy == policy
+
+
+def test_derived_values_and_defaults() -> None:
+    config = SkrullConfig()
+    assert config.max_sequence_length == config.scheduling.bucket_size * config.parallel.cp_size
+    capped = load_config(None, ["data.max_length=100"])
+    assert capped.max_sequence_length == 100
+
+
+def test_hardware_profiles_load_strictly(tmp_path: Path) -> None:
+    assert load_hardware_profile("cpu").name == "cpu"
+    duplicated = tmp_path / "dup.yaml"
+    duplicated.write_text("name: x\nmfu: 0.3\nmfu: 0.4\n")
+    with pytest.raises(ConfigError, match="duplicate key 'mfu'"):
+        load_hardware_profile(str(duplicated))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("name: x\nmfu_typo: 0.3\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_hardware_profile(str(unknown))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [x\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_hardware_profile(str(broken))
