@@ -111,6 +111,8 @@ class DataConfig:
     """Longest sequence in tokens (0: scheduling.bucket_size * parallel.cp_size, the hard limit)."""
     too_long: Literal["error", "truncate", "drop"] = "error"
     """What to do with a sequence longer than max_length."""
+    truncate_side: Literal["left", "right"] = "left"
+    """With too_long=truncate, which end to cut: left drops the oldest context and keeps the last answer."""
     tokenize_batch_size: int = 64
     """Rows per map_batches call in the Ray Data tokenizer."""
 
