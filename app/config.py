@@ -21,6 +21,7 @@ their own sub-config (and the few derived values they need, passed explicitly).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -198,6 +199,8 @@ class TrainConfig:
     """Save a checkpoint every this many steps (0: only at the end)."""
     log_every: int = 1
     """Reduce per-step metrics across ranks and report them every this many steps (GPU configs: 10)."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept in the run directory (0: keep every one)."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0 and self.epochs >= 1, "train.steps must be >= 0 and train.epochs >= 1")
@@ -207,6 +210,7 @@ class TrainConfig:
         _require(self.zero_stage in (0, 1, 2), "train.zero_stage must be 0, 1 or 2 (built and tested: 2)")
         _require(self.loss_chunk_tokens >= 1, "train.loss_chunk_tokens must be >= 1")
         _require(self.log_every >= 1, "train.log_every must be >= 1")
+        _require(self.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0 (0: keep every one)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -345,11 +349,16 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """Parse one `section.key=value` override; the value is read as a YAML scalar."""
+    """Parse one `section.key=value` override; the value is read as a (safe) YAML scalar or list."""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. scheduling.bucket_size=26000")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.load(raw, Loader=_StrictLoader) if raw.strip() else ""
+    try:
+        value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        reason = str(err).splitlines()[0]
+        raise ConfigError(f"--set {text}: the value is not plain YAML ({reason})") from None
+    return key.strip(), value
 
 
 def resolve_config_path(path: str | Path) -> Path:
@@ -376,17 +385,42 @@ def load_yaml(path: Path) -> Any:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SkrullConfig:
-    """Load a config YAML strictly, apply dotted overrides; every section validates itself."""
+    """Load a config YAML strictly, apply dotted overrides; every section validates itself.
+
+    An error is attributed to the config file when the file alone is already wrong, else to the first
+    `--set` override that makes it wrong, so the message names what the user typed.
+    """
     tree: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
         resolved = resolve_config_path(path)
         source = str(resolved)
-        tree = load_yaml(resolved) or {}
-    for text in overrides:
-        key, value = parse_override(text)
-        _set_dotted(tree, key, value)
+        loaded = load_yaml(resolved)
+        if loaded is None:
+            raise ConfigError(f"{source} is empty: a run config needs at least the sections it changes "
+                              "(see configs/tiny-cpu.yaml)")
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: expected a mapping of sections, got {type(loaded).__name__}")
+        tree = loaded
+    parsed = [(text, *parse_override(text)) for text in overrides]
     try:
-        return _build(SkrullConfig, tree, "")
+        return _build_with_overrides(tree, [(key, value) for _, key, value in parsed])
     except ConfigError as err:
-        raise ConfigError(f"{source}: {err}") from None
+        failure = err
+    try:
+        _build(SkrullConfig, copy.deepcopy(tree), "")
+    except ConfigError:
+        raise ConfigError(f"{source}: {failure}") from None
+    for count, (text, _, _) in enumerate(parsed, start=1):
+        try:
+            _build_with_overrides(tree, [(key, value) for _, key, value in parsed[:count]])
+        except ConfigError as err:
+            raise ConfigError(f"--set {text}: {err}") from None
+    raise failure  # unreachable: the full set failed, so some prefix does
+
+
+def _build_with_overrides(tree: dict[str, Any], overrides: list[tuple[str, Any]]) -> SkrullConfig:
+    merged = copy.deepcopy(tree)
+    for key, value in overrides:
+        _set_dotted(merged, key, value)
+    return _build(SkrullConfig, merged, "")

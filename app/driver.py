@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -51,17 +52,18 @@ class TrainSummary:
 
 
 @contextlib.contextmanager
-def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[None]:
+def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[bool]:
     """Join RAY_ADDRESS's cluster, or start an embedded one sized for Ray Data + planner + workers.
 
     A Ray that is already initialized in this process is used as it is (and left running). An embedded Ray
     never attaches to another Ray on the machine by accident (`address="local"`), and while it runs
     RAY_ADDRESS names it, so that Ray Train's helper processes find this instance and not another one.
+    Yields whether the Ray is an embedded one (it cannot grow: resources beyond it are an error).
     """
     import ray
 
     if ray.is_initialized():
-        yield
+        yield not os.environ.get("RAY_ADDRESS")
         return
     previous = os.environ.get("RAY_ADDRESS")
     if previous:
@@ -69,7 +71,7 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[N
     else:
         start_local_ray(config.resources.num_cpus or (os.cpu_count() or 1) + 2, log_to_driver=worker_logs)
     try:
-        yield
+        yield not previous
     finally:
         ray.shutdown()
         if previous is None:
@@ -150,7 +152,7 @@ def _worker_settings(config: SkrullConfig, planner: Any, total_steps: int, run_d
 
 
 def _trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any) -> Any:
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from app.monitor import ProgressCallback
@@ -161,6 +163,7 @@ def _trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any) -> An
     if backend == "auto":
         backend = "nccl" if _use_gpu(config) else "gloo"
     per_worker = {"CPU": res.cpus_per_worker} | ({"GPU": res.gpus_per_worker} if _use_gpu(config) else {})
+    keep = CheckpointConfig(num_to_keep=config.train.keep_checkpoints or None)  # None: Ray keeps every one
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"settings": settings},
@@ -168,7 +171,8 @@ def _trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any) -> An
         scaling_config=ScalingConfig(num_workers=config.parallel.num_workers, use_gpu=_use_gpu(config),
                                      resources_per_worker=per_worker),
         run_config=RunConfig(name=name, storage_path=str(os.path.abspath(config.run.storage_path)),
-                             callbacks=[ProgressCallback(monitor)]),
+                             callbacks=[ProgressCallback(monitor)],
+                             checkpoint_config=keep),
     )
 
 
@@ -184,16 +188,22 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     preflight(config)
     name = run_name(config)
     run_dir = run_directory(config, name)
+    existed = run_dir.exists()
     capture = captured_output(run_dir / "logs" / "driver.log") if quiet else contextlib.nullcontext(out)
-    with capture as terminal:
-        return _run(config, name, run_dir, progress=progress, worker_logs=worker_logs,
-                    out=terminal or sys.stderr)
+    try:
+        with capture as terminal:
+            return _run(config, name, run_dir, progress=progress, worker_logs=worker_logs,
+                        out=terminal or sys.stderr)
+    except ConfigError:
+        if not existed:  # rejected before any worker started: leave nothing half-written behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def _run(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, worker_logs: bool,
          out: TextIO) -> TrainSummary:
-    with ray_session(config, worker_logs=worker_logs):
-        history, checkpoint = _fit(config, name, run_dir, progress=progress, out=out)
+    with ray_session(config, worker_logs=worker_logs) as embedded:
+        history, checkpoint = _fit(config, name, run_dir, progress=progress, out=out, embedded=embedded)
     total_time = sum(h["step_s"] for h in history)
     return TrainSummary(
         steps=len(history), samples=sum(int(h["samples"]) for h in history),
@@ -203,17 +213,24 @@ def _run(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, work
     )
 
 
-def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool,
-         out: TextIO) -> tuple[list[dict[str, Any]], str | None]:
+def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out: TextIO,
+         embedded: bool) -> tuple[list[dict[str, Any]], str | None]:
     """Tokenize, scan, start the planner and the workers; (per-step metrics, final checkpoint path)."""
+    import ray
+
     from app.data.pipeline import scan_dataset, tokenized_dataset
     from app.monitor import ProgressBar, RunMonitor
+    from app.preflight import check_cluster_fits, check_epoch_fits
 
+    warning = check_cluster_fits(config, ray.cluster_resources(), embedded=embedded)
+    if warning:
+        print(warning, file=out, flush=True)
     dataset = tokenized_dataset(config.data, max_length=config.max_sequence_length,
                                 num_cpus=config.resources.data_cpus).materialize()
     scan = scan_dataset(dataset, config.data, max_length=config.max_sequence_length)
     if progress:
         print(scan.summary(), file=out, flush=True)
+    check_epoch_fits(config, len(scan.lengths))
     total_steps = _total_steps(config, len(scan.lengths))
     planner = _planner(config, dataset, total_steps)
     monitor = RunMonitor.remote()

@@ -1,7 +1,9 @@
 """The dry run behind `python -m app plan`: sample global batches, plan them with every policy, model them.
 
 Everything printed is *modeled* (scheduling.simulate under a hardware profile), never measured, except the
-planning latency, which is the wall time of `plan_step` on this machine.
+planning latency, which is the wall time of `plan_step` on this machine. Before planning, the sampled lengths
+go through data.too_long (error | truncate | drop) at the run's maximum sequence length; the report says how
+many sequences that changed (TooLongReport).
 
 Bound ratios (see scheduling/simulate.py for the bounds and their proofs):
     bound_ratio          sum over batches of step / sum of the perfect-balance bound (all FLOPs spread over
@@ -33,17 +35,47 @@ HEADERS = ("policy", "step s", "vs static", "vs packed", "vs sorted", "bound", "
            "dist frac", "mb/rank", "plan ms p50", "plan ms p99")
 
 
-def apply_too_long(lengths: np.ndarray, config: SkrullConfig) -> np.ndarray:
-    """Enforce data.max_length (default C*N) the way data.too_long says: error | truncate | drop."""
+@dataclass(frozen=True)
+class TooLongReport:
+    """What data.too_long did to the sampled sequences: `rows` of `sampled` were truncated or dropped."""
+
+    mode: str
+    rows: int
+    limit: int
+    sampled: int
+    truncate_side: str = "left"
+
+    def as_json(self) -> dict[str, int | str]:
+        return {"mode": self.mode, "rows": self.rows, "limit": self.limit, "sampled": self.sampled}
+
+    def line(self) -> str | None:
+        """One line for the plan's text output; None for data.too_long=error (it changed nothing)."""
+        if self.mode == "truncate":
+            return (f"data.too_long=truncate: {self.rows} of {self.sampled} sampled sequences cut to "
+                    f"{self.limit} tokens (data.truncate_side={self.truncate_side})")
+        if self.mode == "drop":
+            return (f"data.too_long=drop: {self.rows} of {self.sampled} sampled sequences dropped (longer "
+                    f"than {self.limit} tokens)")
+        return None
+
+
+def apply_too_long(lengths: np.ndarray, config: SkrullConfig) -> tuple[np.ndarray, int]:
+    """Enforce data.max_length (default C*N) the way data.too_long says: error | truncate | drop.
+
+    Returns (lengths after the rule, rows it changed: truncated or dropped). The plan only sees lengths:
+    a row that truncation would leave without a label token (status truncated_empty in a run) is still
+    planned here at the limit.
+    """
     limit = config.max_sequence_length
     over = lengths > limit
-    if not over.any():
-        return lengths
+    changed = int(over.sum())
+    if not changed:
+        return lengths, 0
     mode = config.data.too_long
     if mode == "truncate":
-        return np.minimum(lengths, limit)
+        return np.minimum(lengths, limit), changed
     if mode == "drop":
-        return lengths[~over]
+        return lengths[~over], changed
     raise ConfigError(
         f"{int(over.sum())} sequence(s) longer than {limit} tokens (longest {int(lengths.max())}); the limit "
         "is data.max_length or scheduling.bucket_size * parallel.cp_size: raise them, or set "
@@ -51,8 +83,13 @@ def apply_too_long(lengths: np.ndarray, config: SkrullConfig) -> np.ndarray:
     )
 
 
-def sample_batches(config: SkrullConfig) -> list[np.ndarray]:
-    """plan.num_batches global batches of scheduling.global_batch_size lengths from the data source."""
+def sample_batches(config: SkrullConfig) -> tuple[list[np.ndarray], TooLongReport]:
+    """plan.num_batches global batches of scheduling.global_batch_size lengths from the data source.
+
+    Also returns what data.too_long did to the sampled sequences. The synthetic source draws twice the
+    sequences needed so that too_long=drop still fills the batches; with truncate only the planned ones
+    are kept, so the report counts exactly the sequences the plan uses.
+    """
     num, size = config.plan.num_batches, config.scheduling.global_batch_size
     data = config.data
     if data.source == "path":
@@ -62,13 +99,19 @@ def sample_batches(config: SkrullConfig) -> list[np.ndarray]:
     else:
         raw = sample_lengths(data.distribution, 2 * num * size, data.seed)  # spare rows for too_long=drop
         lengths = np.maximum(1, np.round(raw * data.length_scale)).astype(np.int64)
-    lengths = apply_too_long(lengths, config)
+        if data.too_long == "truncate":
+            lengths = lengths[: num * size]
+    sampled = len(lengths)
+    lengths, changed = apply_too_long(lengths, config)
+    report = TooLongReport(mode=data.too_long, rows=changed, limit=config.max_sequence_length,
+                           sampled=sampled, truncate_side=data.truncate_side)
     if len(lengths) < size:
         raise ConfigError(
             f"the data source gave {len(lengths)} sequences, fewer than scheduling.global_batch_size={size}"
+            + (f" ({changed} of {sampled} dropped by data.too_long=drop)" if data.too_long == "drop" else "")
         )
     count = min(num, len(lengths) // size)
-    return [lengths[b * size:(b + 1) * size] for b in range(count)]
+    return [lengths[b * size:(b + 1) * size] for b in range(count)], report
 
 
 @dataclass
@@ -155,11 +198,11 @@ def plot_ranks(runs: dict[str, PolicyRun], path: str) -> None:
     plt.close(fig)
 
 
-def plan_dry_run(config: SkrullConfig, cost: CostModel) -> tuple[dict[str, PolicyRun], dict]:
+def plan_dry_run(config: SkrullConfig, cost: CostModel) -> tuple[dict[str, PolicyRun], dict, TooLongReport]:
     """Sample, plan and model; SchedulingError becomes a ConfigError (it names the knob already)."""
-    batches = sample_batches(config)
+    batches, too_long = sample_batches(config)
     try:
         runs = run_policies(config, cost, batches)
     except SchedulingError as err:
         raise ConfigError(str(err)) from None
-    return runs, summarize(runs)
+    return runs, summarize(runs), too_long

@@ -1,57 +1,135 @@
-"""Checks that run on the driver before Ray starts anything, so bad input fails fast with one message.
+"""Checks that run on the driver before any worker starts, so bad input fails fast with one message.
 
-The config tree already rejected unknown keys, bad choices and a world size not divisible by CP (its
-sections validate themselves, app/config.py); the data scan rejects too-long and unusable data
-(app.data.pipeline.scan_dataset).
+Before Ray (`preflight`): the config tree already rejected unknown keys, bad choices and a world size not
+divisible by CP (its sections validate themselves, app/config.py); here the model source is resolved (a
+hub id through its config only, honoring HF_HUB_OFFLINE), the data source and tokenizer are opened, the
+hardware profile is loaded strictly and the output directory must be writable.
+
+With Ray up, before the trainer (`check_cluster_fits`, `check_epoch_fits`): the requested workers fit the
+cluster's resources, and one global batch fits one epoch of usable rows. Every failure is a ConfigError,
+which `python -m app` turns into exit code 2 and one line naming the knob.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import secrets
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from app.config import ConfigError, SkrullConfig
-from workers.presets import TINY_PRESETS
+from app.config import ConfigError, ModelConfig, SkrullConfig
+from workers.presets import TINY_PRESETS, is_tiny_preset
 
 # A Hugging Face hub id: "name" or "org/name", no path syntax.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 
-def check_model_source(name_or_path: str) -> None:
-    """A tiny preset, an existing local directory, or something shaped like a hub id."""
-    if name_or_path in TINY_PRESETS or Path(name_or_path).expanduser().is_dir():
+def check_model_source(model: ModelConfig) -> None:
+    """A tiny preset, an existing local directory, or a hub id whose config resolves (no weights read)."""
+    name = model.name_or_path
+    if is_tiny_preset(name) or Path(name).expanduser().is_dir():
         return
-    looks_like_path = name_or_path.startswith(("/", "./", "../", "~")) or name_or_path.count("/") > 1
-    if looks_like_path or not _HUB_ID.match(name_or_path):
+    looks_like_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+    if looks_like_path or not _HUB_ID.match(name):
         raise ConfigError(
-            f"model.name_or_path={name_or_path!r} is not an existing directory, a hub id (org/name) or a "
+            f"model.name_or_path={name!r} is not an existing directory, a hub id (org/name) or a "
             f"preset ({', '.join(TINY_PRESETS)}); fix model.name_or_path"
         )
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)  # the hub or its local cache; HF_HUB_OFFLINE=1 means cache only
+    except (OSError, ValueError) as err:
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        hub = "the Hugging Face hub cache (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub"
+        raise ConfigError(
+            f"model.name_or_path={name!r} is not a preset ({', '.join(TINY_PRESETS)}), not a local "
+            f"directory, and {hub} does not resolve it: {str(err).splitlines()[0]}; fix model.name_or_path"
+        ) from None
 
 
 def run_name(config: SkrullConfig) -> str:
-    """run.name, or a fresh timestamped name when it is empty (so the README command can be re-run)."""
-    return config.run.name or f"skrull-{datetime.now():%Y%m%d-%H%M%S}"
+    """run.name, or a fresh unique name when it is empty (timestamp plus a random suffix)."""
+    return config.run.name or f"skrull-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
 def run_directory(config: SkrullConfig, name: str) -> Path:
     """<storage_path>/<name>, refusing to append a second run to an existing audit log."""
-    run_dir = Path(config.run.storage_path).expanduser().resolve() / name
+    storage = Path(config.run.storage_path).expanduser().resolve()
+    _check_writable(storage)
+    run_dir = storage / name
     if (run_dir / "samples.jsonl").exists():
         raise ConfigError(
-            f"run {name!r} already exists in {run_dir.parent} (resuming a run is not supported yet); "
-            "choose another run.name, or leave run.name empty for a timestamped one"
+            f"run {name!r} already exists in {storage} (resuming a run is not supported yet); "
+            "choose another run.name, or leave run.name empty for a unique one"
         )
     return run_dir
 
 
+def _check_writable(storage: Path) -> None:
+    """run.storage_path exists (or can be made) and accepts files: checked by writing one."""
+    try:
+        storage.mkdir(parents=True, exist_ok=True)
+        probe = storage / f".skrull-write-test-{secrets.token_hex(4)}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"run.storage_path={str(storage)!r} is not a writable directory ({err.strerror}); "
+            "point run.storage_path at a directory you can write"
+        ) from None
+
+
 def preflight(config: SkrullConfig) -> None:
-    """Model source, data source and tokenizer: everything that can be checked without Ray."""
+    """Model, data source, tokenizer, hardware profile: everything that can be checked without Ray."""
     from app.data.readers import resolve_source
     from app.data.tokenizer import load_tokenizer
+    from app.hardware import load_hardware_profile
 
-    check_model_source(config.model.name_or_path)
+    check_model_source(config.model)
     if config.data.source == "path":
         resolve_source(config.data)
     load_tokenizer(config.data.tokenizer)
+    load_hardware_profile(config.hardware.profile)
+
+
+def required_resources(config: SkrullConfig) -> dict[str, float]:
+    """What the run reserves at once: every train worker, the planner and one Ray Data actor."""
+    res, workers = config.resources, config.parallel.num_workers
+    need = {"CPU": workers * res.cpus_per_worker + res.planner_cpus + res.data_cpus}
+    if res.gpus_per_worker:
+        need["GPU"] = workers * res.gpus_per_worker
+    return need
+
+
+def check_cluster_fits(config: SkrullConfig, cluster: dict[str, Any], *, embedded: bool) -> str | None:
+    """ConfigError when an embedded Ray cannot hold the run; on an external cluster, a warning to print.
+
+    An embedded Ray never grows, so a request beyond it would wait forever (Ray Train retries the worker
+    group's start every minute); a cluster at RAY_ADDRESS may have an autoscaler that adds nodes, so there
+    the same finding is only a warning.
+    """
+    need = required_resources(config)
+    short = {k: (v, float(cluster.get(k, 0.0))) for k, v in need.items() if v > float(cluster.get(k, 0.0))}
+    if not short:
+        return None
+    what = ", ".join(f"{v:g} {k} needed, {have:g} available" for k, (v, have) in short.items())
+    knobs = ("parallel.num_workers, resources.cpus_per_worker, resources.gpus_per_worker, "
+             "resources.data_cpus, resources.planner_cpus")
+    if embedded:
+        hint = " or resources.num_cpus (logical CPUs of the embedded Ray)" if "CPU" in short else ""
+        raise ConfigError(f"the run does not fit this machine's Ray ({what}): lower {knobs}{hint}")
+    return f"warning: the cluster has too few resources right now ({what}); waiting for the autoscaler. " \
+           f"If none comes, lower {knobs}"
+
+
+def check_epoch_fits(config: SkrullConfig, usable_rows: int) -> None:
+    """One global batch must not repeat samples: it may hold at most one epoch's usable rows."""
+    size = config.scheduling.global_batch_size
+    if size > usable_rows:
+        raise ConfigError(
+            f"scheduling.global_batch_size={size} is larger than the {usable_rows} usable rows of one epoch, "
+            "so a step would train samples twice; lower scheduling.global_batch_size or add data"
+        )

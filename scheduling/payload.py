@@ -26,9 +26,14 @@ if TYPE_CHECKING:
 
 IGNORE_INDEX = -100
 """Label of a token that carries no loss (the Hugging Face / PyTorch cross-entropy convention)."""
-ROW_STATUSES = ("ok", "empty", "malformed", "truncated", "dropped", "too_long")
-"""What tokenization says of a row (app/data/template.py); the planner trains on USABLE_STATUSES only."""
+ROW_STATUSES = ("ok", "empty", "malformed", "truncated", "truncated_empty", "dropped", "too_long")
+"""What tokenization says of a row (app/data/template.py); the planner trains on USABLE_STATUSES only.
+
+truncated_empty: a row that data.too_long=truncate cut to a window without a single label token (after the
+shift); it is counted, carries empty ids and is never trained on.
+"""
 USABLE_STATUSES = ("ok", "truncated")
+"""Rows with >= 1 label token after truncation and the shift (the tokenizer guarantees it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,8 +111,19 @@ def build_rank_payloads(
     cursor: Cursor,
     plan_ms: float,
 ) -> dict[tuple[int, int], RankPayload]:
-    """Split one planned global batch into per-(dp_rank, cp_rank) payloads."""
+    """Split one planned global batch into per-(dp_rank, cp_rank) payloads.
+
+    ValueError if the global batch has no label token: every rank would divide a zero loss sum by
+    max(0, 1) and the run would report loss 0.0 while training on nothing. Usable rows always carry a label
+    token (app/data/template.py), so this guards against a pipeline bug, not against user data.
+    """
     label_tokens = sum(sample.num_label_tokens for sample in samples)
+    if label_tokens == 0:
+        raise ValueError(
+            f"step {step}: the global batch of {len(samples)} samples has no label token (nothing to train "
+            "on, the loss would be a silent 0.0); check data.labels (assistant needs assistant turns), "
+            "data.too_long and data.truncate_side (truncation can cut every answer away)"
+        )
     tokens = sum(sample.num_tokens for sample in samples)
     sample_ids = tuple(
         tuple(samples[i].sample_id for mb in per_dp for i in mb.indices)

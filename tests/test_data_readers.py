@@ -68,3 +68,52 @@ def test_synthetic_lengths_are_the_targets() -> None:
     conversations = synth_conversations(synth, np.arange(20), targets, "wikipedia", seed=4)
     measured = tokenize_rows([{"messages": c} for c in conversations], synth.tok, TemplateSettings())
     assert lengths.tolist() == targets.tolist() == measured.num_tokens
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b"", "it is empty \\(0 bytes\\)"),
+    (b"PAR1 this is not parquet PAR1", "not a valid parquet file"),
+    (b"\x00" * 64, "not a valid parquet file"),
+])
+def test_bad_parquet_file_is_one_data_error_naming_it(formats, tmp_path, content: bytes, why: str) -> None:
+    """A 0-byte or invalid .parquet beside good ones fails on the driver, naming data.path and the file."""
+    _, paths = formats
+    data_dir = tmp_path / "parquet"
+    data_dir.mkdir()
+    for good in Path(paths["parquet"]).glob("*.parquet"):
+        (data_dir / good.name).write_bytes(good.read_bytes())
+    bad = data_dir / "part-9-bad.parquet"  # sorts after the good files: every file is checked, not the first
+    bad.write_bytes(content)
+    for fmt in ("auto", "parquet"):
+        with pytest.raises(DataError, match=rf"data.path file '{bad}' cannot be read: {why}") as err:
+            resolve_source(DataConfig(source="path", path=str(data_dir), format=fmt))
+        cause = err.value.__cause__ or (None if err.value.__suppress_context__ else err.value.__context__)
+        assert cause is None  # one message, no pyarrow traceback chained to it
+    with pytest.raises(DataError, match="data.path file"):
+        dataset_token_lengths(DataConfig(source="path", path=str(bad)))
+
+
+def test_jsonl_that_is_not_utf8_is_one_data_error_naming_it(tmp_path) -> None:
+    good = '{"text": "a plain text row"}\n'
+    bad = tmp_path / "rows.jsonl"
+    bad.write_bytes((good * 3 + '{"text": "caf').encode() + b"\xe9" + b'"}\n' + good.encode())
+    with pytest.raises(DataError, match=rf"data.path file '{bad}' cannot be read: line 4 .*not valid UTF-8"):
+        resolve_source(DataConfig(source="path", path=str(tmp_path)))
+    bad.write_bytes(good.encode() + "é".encode()[:1])  # cut inside a 2-byte character at the very end
+    with pytest.raises(DataError, match="ends inside a UTF-8 character"):
+        resolve_source(DataConfig(source="path", path=str(bad)))
+    bad.write_text(good + '{"text": "déjà vu"}\n', encoding="utf-8")  # valid multi-byte text is fine
+    assert resolve_source(DataConfig(source="path", path=str(bad))).files == (str(bad),)
+
+
+def test_utf8_check_spans_chunk_boundaries(tmp_path, monkeypatch) -> None:
+    """Multi-byte characters split across read chunks are valid; a bad byte is placed on its line."""
+    from app.data import readers
+
+    monkeypatch.setattr(readers, "_UTF8_CHUNK", 5)
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "déjà vu, ünïcode"}\n' * 4, encoding="utf-8")
+    resolve_source(DataConfig(source="path", path=str(path)))
+    path.write_bytes(('{"text": "déjà"}\n' * 3).encode() + b'{"text": "\xff"}\n')
+    with pytest.raises(DataError, match="line 4 "):
+        resolve_source(DataConfig(source="path", path=str(path)))

@@ -1,4 +1,4 @@
-"""Qwen chat template, label masking, row statuses and the length limit (pure: no Ray)."""
+"""Qwen chat template, label masking, row statuses, the length limit and truncation (pure: no Ray)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from app.data import DataError
-from app.data.template import TemplateSettings, tokenize_rows
+from app.data.template import TemplateSettings, count_label_tokens, tokenize_rows
 from app.data.tokenizer import load_tokenizer
 from scheduling.payload import IGNORE_INDEX
 
@@ -90,25 +90,98 @@ def test_malformed_and_empty_rows_are_counted_not_raised(qwen) -> None:
         {"messages": []},
         {"text": ""},
         {"messages": [{"role": "user", "content": "no answer"}]},  # no label token with labels=assistant
-        {"json_line": '{"text": "fine"}'},
+        {"text": "fine"},                                        # one token: no next token to learn
+        {"json_line": '{"text": "fine, thanks"}'},
     ]
     out = tokenize_rows(rows, qwen, TemplateSettings())
-    assert out.status == ["ok"] + ["malformed"] * 6 + ["empty"] * 3 + ["ok"]
+    assert out.status == ["ok"] + ["malformed"] * 6 + ["empty"] * 4 + ["ok"]
     assert all(n == 0 for n, s in zip(out.num_tokens, out.status, strict=True) if s != "ok")
+    assert out.label_tokens[0] == count_label_tokens(out.labels[0]) > 0 and out.label_tokens[-1] == 2
+    assert all(n == 0 for n, s in zip(out.label_tokens, out.status, strict=True) if s != "ok")
 
 
-@pytest.mark.parametrize(("policy", "status", "kept"), [("truncate", "truncated", 8), ("drop", "dropped", 0),
-                                                         ("error", "too_long", 0)])
-def test_too_long_rows(qwen, policy: str, status: str, kept: int) -> None:
-    settings = TemplateSettings(max_length=8, too_long=policy)
-    rows = [{"messages": CHAT}, {"text": "short"}]
+@pytest.mark.parametrize(("policy", "side", "status", "kept"), [
+    ("truncate", "left", "truncated", 8),          # the last 8 tokens: "6." <|im_end|> \n and the header
+    ("truncate", "right", "truncated_empty", 0),   # the first 8: the system prompt, no label token
+    ("drop", "left", "dropped", 0),
+    ("error", "left", "too_long", 0),
+])
+def test_too_long_rows(qwen, policy: str, side: str, status: str, kept: int) -> None:
+    settings = TemplateSettings(max_length=8, too_long=policy, truncate_side=side)
+    rows = [{"messages": CHAT}, {"text": "short text"}]
     out = tokenize_rows(rows, qwen, settings)
     full = len(qwen.backend.encode(render(CHAT)))
     assert out.status == [status, "ok"]
     assert out.num_tokens[0] == kept and out.raw_tokens[0] == full
+    whole = tokenize_rows(rows[:1], qwen, TemplateSettings())
     if kept:
-        whole = tokenize_rows(rows[:1], qwen, TemplateSettings()).input_ids[0]
-        assert out.input_ids[0].tolist() == whole[:8].tolist()
+        assert out.input_ids[0].tolist() == whole.input_ids[0][-8:].tolist()
+        assert out.labels[0].tolist() == whole.labels[0][-8:].tolist()
+        assert out.label_tokens[0] == count_label_tokens(whole.labels[0][-8:]) > 0
+    else:
+        assert out.labels[0].size == 0 and out.label_tokens[0] == 0
+
+
+def test_docstring_truncation_example(qwen) -> None:
+    """The 18-token row of app/data/template.py's docstring, cut to 8 tokens from either side."""
+    chat = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
+    whole = tokenize_rows([{"messages": chat}], qwen, TemplateSettings())
+    assert whole.num_tokens == [18] and whole.label_tokens == [2]  # "4" and <|im_end|>
+    left = tokenize_rows([{"messages": chat}], qwen, TemplateSettings(max_length=8, too_long="truncate"))
+    assert left.status == ["truncated"] and left.label_tokens == [2] and left.raw_tokens == [18]
+    assert left.input_ids[0].tolist() == [IM_END, 198, IM_START, 77091, 198, 19, IM_END, 198]
+    right = tokenize_rows([{"messages": chat}], qwen,
+                          TemplateSettings(max_length=8, too_long="truncate", truncate_side="right"))
+    assert right.status == ["truncated_empty"] and right.num_tokens == [0] and right.raw_tokens == [18]
+
+
+def test_left_truncation_keeps_the_answer_of_long_context_chats(qwen) -> None:
+    """Long user context, short answer last (ChatQA2-like): right truncation would train on nothing."""
+    context = " ".join(["the model reads a long document about the data"] * 40)
+    chat = [{"role": "user", "content": context}, {"role": "assistant", "content": "It is about data."}]
+    answer = len(qwen.encode("It is about data.")) + 1  # content + <|im_end|>
+    whole = tokenize_rows([{"messages": chat}], qwen, TemplateSettings())
+    assert whole.num_tokens[0] > 300 and whole.label_tokens == [answer]
+
+    def cut(max_length: int, side: str = "left"):
+        settings = TemplateSettings(max_length=max_length, too_long="truncate", truncate_side=side)
+        return tokenize_rows([{"messages": chat}], qwen, settings)
+
+    for max_length in (answer + 2, 64, 300):  # the answer and the token before it fit
+        left = cut(max_length)
+        assert left.status == ["truncated"] and left.num_tokens == [max_length]
+        assert left.label_tokens == [answer]  # the whole answer survives
+        right = cut(max_length, "right")
+        assert right.status == ["truncated_empty"] and right.label_tokens == [0]
+    # Too short for the whole answer: what survives (after the shift) is still trained on; the window's
+    # first token is a label the loss never sees (nothing predicts it).
+    assert cut(answer + 1).label_tokens == [answer - 1]
+    assert cut(3).status == ["truncated"] and cut(3).label_tokens == [1]  # <|im_end|>; "\n" has no label
+    assert cut(2).status == ["truncated_empty"]  # <|im_end|> \n: the <|im_end|> is the window's first token
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_window_of_one_token_never_trains(qwen, side: str) -> None:
+    settings = TemplateSettings(labels="all", max_length=1, too_long="truncate", truncate_side=side)
+    out = tokenize_rows([{"messages": CHAT}, {"text": "two tokens"}], qwen, settings)
+    assert out.status == ["truncated_empty", "truncated_empty"] and out.num_tokens == [0, 0]
+
+
+def test_settings_reject_unknown_truncate_side() -> None:
+    with pytest.raises(ValueError, match="data.truncate_side"):
+        TemplateSettings(truncate_side="middle")
+    with pytest.raises(ValueError, match="data.max_length"):
+        TemplateSettings(max_length=0)
+
+
+def test_template_settings_follow_the_config() -> None:
+    from app.config import load_config
+    from app.data.pipeline import template_settings
+
+    data = load_config(None, ["data.too_long=truncate", "data.truncate_side=right"]).data
+    assert template_settings(data, 100) == TemplateSettings(max_length=100, too_long="truncate",
+                                                            truncate_side="right")
+    assert TemplateSettings().truncate_side == load_config(None, []).data.truncate_side == "left"
 
 
 def test_hf_tokenizer_json_and_missing_tokenizer(tmp_path) -> None:

@@ -21,11 +21,12 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     cost = cost_model_from_config(config.model, config.hardware)
-    runs, summary = plan_dry_run(config, cost)
+    runs, summary, too_long = plan_dry_run(config, cost)
     if args.plot:
         plot_ranks(runs, args.plot)
     if args.json:
-        print(json.dumps({"policies": summary}))
+        # "policies" first and unchanged: scripts read it; "too_long" says what data.too_long changed
+        print(json.dumps({"policies": summary, "too_long": too_long.as_json()}))
         return 0
     par, sched = config.parallel, config.scheduling
     batches = len(runs["skrull"].estimates)
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
           f"hardware={cost.profile.name}, per-micro-batch cost b="
           f"{cost.micro_batch_overhead_s(par.dp_size * par.cp_size) * 1e3:.1f} ms "
           "(modeled times, not measurements)")
+    if too_long.line():
+        print(too_long.line())
     print(format_table(summary))
     if args.plot:
         print(f"plot written to {args.plot}")

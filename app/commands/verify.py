@@ -9,11 +9,12 @@ CE / label tokens). Exit code 1 when a difference exceeds the tolerance.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from app.commands.common import add_config_arguments, add_json_argument
-from app.config import ModelConfig
-from workers.presets import is_tiny_preset
+from app.config import ConfigError, ModelConfig, SkrullConfig
+from workers.presets import TINY_DEFAULTS, is_tiny_preset
 
 NUM_SAMPLED = 8
 
@@ -33,14 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                         help="compute dtype of the sharded run (default: model.dtype)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and tokens")
+    parser.add_argument("--force", action="store_true",
+                        help="run even when the memory estimate exceeds what this machine has available")
     parser.epilog = ("grad rel diff of a parameter = max|sharded - reference| / max|reference| over that "
                      "tensor (robust to near-zero entries); tolerance fp32 1e-5, bf16 5e-2 (vs an fp32 "
                      "reference of the same weights)")
 
 
-def _lengths(args: argparse.Namespace, cfg) -> tuple[int, ...]:
-    from app.config import ConfigError
-
+def _lengths(args: argparse.Namespace, cfg: SkrullConfig) -> tuple[int, ...]:
     if args.lengths:
         try:
             return tuple(int(x) for x in args.lengths.split(",") if x.strip())
@@ -62,6 +63,45 @@ def _model_kwargs(m: ModelConfig, model: str) -> tuple[tuple[str, int], ...]:
     return tuple((k, v) for k, v in dims.items() if v)
 
 
+PROCESS_BYTES = 0.4e9
+"""Resident size of one Python process with torch and transformers imported, before any tensor."""
+FP32_ACTIVATION_BYTES_PER_HIDDEN = 68.0
+"""Saved activations per token, layer and hidden unit in fp32 (twice the 34 of bf16, see docs/design.md
+§2); the MLP's wider intermediate is folded in as a rough factor, which is all a refusal threshold needs."""
+
+
+def estimate_peak_bytes(*, hidden: int, layers: int, vocab: int, lengths: tuple[int, ...], cp: int) -> float:
+    """Peak memory of `verify`: cp rank processes plus the parent running the unsharded reference.
+
+    Each process holds the weights and their gradients (fp32, ~12*h^2*L + 2*V*h parameters); the
+    reference runs the longest sequence whole (activations plus its full fp32 logits, probabilities and
+    their gradient: 3 * V floats a token); a rank runs about sum(lengths)/cp tokens (its loss is chunked).
+    """
+    params = 12 * hidden * hidden * layers + 2 * vocab * hidden
+    per_token = FP32_ACTIVATION_BYTES_PER_HIDDEN * hidden * layers
+    reference = max(lengths) * (per_token + 12 * vocab)
+    rank = sum(lengths) / cp * per_token
+    return (cp + 1) * (PROCESS_BYTES + 8 * params) + reference + cp * rank
+
+
+def _check_memory(args: argparse.Namespace, cfg: SkrullConfig, model: str, lengths: tuple[int, ...]) -> str:
+    """The estimate line to print; ConfigError (asking for --force) when it exceeds available memory."""
+    import psutil
+
+    from app.hardware import model_dims
+
+    dims_model = dataclasses.replace(cfg.model, name_or_path=model)
+    hidden, _, layers = model_dims(dims_model)
+    vocab = cfg.model.vocab_size or (TINY_DEFAULTS["vocab_size"] if is_tiny_preset(model) else 151936)
+    need = estimate_peak_bytes(hidden=hidden, layers=layers, vocab=vocab, lengths=lengths, cp=args.cp)
+    have = psutil.virtual_memory().available
+    line = f"verify: estimated peak memory {need / 1e9:.1f} GB ({have / 1e9:.1f} GB available)"
+    if need > 0.8 * have and not args.force:
+        raise ConfigError(f"{line}: too much for this machine; use shorter --lengths or a smaller --cp, "
+                          "or pass --force to run anyway")
+    return line
+
+
 def _print_table(result: dict) -> None:
     print(f"plan: {result['plan']}  tokens per rank: {result['rank_tokens']}")
     print(f"loss  sharded {result['loss']:.8f}  reference {result['ref_loss']:.8f}  "
@@ -77,13 +117,18 @@ def _print_table(result: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from app.commands.common import config_from_args
-    from app.config import ConfigError
     from workers.tools.parity import ParitySpec, run_parity
 
     cfg = config_from_args(args)
     model = args.model or cfg.model.name_or_path or "tiny-qwen2"
+    lengths = _lengths(args, cfg)
+    if not lengths or min(lengths) < 1 or args.cp < 1:
+        raise ConfigError("--lengths needs at least one length, each >= 1, and --cp must be >= 1")
+    estimate = _check_memory(args, cfg, model, lengths)
+    if not args.json:
+        print(estimate, flush=True)
     try:
-        spec = ParitySpec(model=model, lengths=_lengths(args, cfg), cp_size=args.cp,
+        spec = ParitySpec(model=model, lengths=lengths, cp_size=args.cp,
                           distribute=args.distribute, dtype=args.dtype or cfg.model.dtype, seed=args.seed,
                           model_kwargs=_model_kwargs(cfg.model, model))
     except ValueError as err:

@@ -3,7 +3,7 @@
     data.source=path        read_parquet(files) | read_text(jsonl files) | from_huggingface(load_from_disk)
     data.source=synthetic   range(data.num_samples) -> map_batches(SynthesizeBatch)
                  \\-> map_batches(TokenizeBatch, ActorPoolStrategy(size=1), num_cpus=resources.data_cpus)
-                 -> rows {input_ids, labels, num_tokens, raw_tokens, status}
+                 -> rows {input_ids, labels, num_tokens, raw_tokens, label_tokens, status}
 
 The planner numbers samples by their position in this stream and resumes by skipping a count, so the
 pipeline sets `DataContext.preserve_order = True` and reads files in sorted order. Everything that can be
@@ -29,26 +29,37 @@ from scheduling.payload import ROW_STATUSES, USABLE_STATUSES
 
 @dataclass(frozen=True, eq=False)
 class DataScan:
-    """One pass over the tokenized stream: row count, usable lengths (stream order), per-status counts."""
+    """One pass over the tokenized stream: row count, usable lengths (stream order), per-status counts.
+
+    label_tokens: label tokens (after truncation and the shift) summed over the usable rows, i.e. the
+    number of next-token targets one epoch trains on. counts["truncated"] rows were cut and still train,
+    counts["truncated_empty"] rows were cut to a window without a label token and are skipped; together
+    they are the rows data.too_long=truncate changed.
+    """
 
     num_rows: int
     lengths: np.ndarray
     counts: dict[str, int] = field(default_factory=dict)
+    label_tokens: int = 0
 
     @property
     def num_usable(self) -> int:
         return int(sum(self.counts.get(status, 0) for status in USABLE_STATUSES))
 
     def summary(self) -> str:
-        """One line for logs: usable rows and tokens, then every non-zero status count."""
-        parts = [f"{self.num_usable}/{self.num_rows} rows usable", f"{int(self.lengths.sum())} tokens"]
+        """One line for logs: usable rows, their tokens and label tokens, then every non-zero status count.
+
+            data: 318/320 rows usable, 54124 tokens (12000 label tokens), truncated=5, truncated_empty=2
+        """
+        parts = [f"{self.num_usable}/{self.num_rows} rows usable",
+                 f"{int(self.lengths.sum())} tokens ({self.label_tokens} label tokens)"]
         parts += [f"{status}={n}" for status, n in self.counts.items() if n and status != "ok"]
         return "data: " + ", ".join(parts)
 
 
 def template_settings(data: DataConfig, max_length: int) -> TemplateSettings:
     return TemplateSettings(chat_template=data.chat_template, labels=data.labels, max_length=max_length,
-                            too_long=data.too_long)
+                            too_long=data.too_long, truncate_side=data.truncate_side)
 
 
 def tokenized_dataset(data: DataConfig, *, max_length: int, num_cpus: float) -> Any:
@@ -108,19 +119,21 @@ def scan_dataset(dataset: Any, data: DataConfig, *, max_length: int) -> DataScan
     same blocks and nothing is tokenized twice). Errors: any row longer than max_length with
     data.too_long=error, or no usable row at all (names data.path).
     """
+    names = ("num_tokens", "raw_tokens", "label_tokens")
     statuses: list[np.ndarray] = []
-    lengths: list[np.ndarray] = []
-    raw: list[np.ndarray] = []
-    columns = dataset.select_columns(["status", "num_tokens", "raw_tokens"])
-    for batch in columns.iter_batches(batch_size=4096, batch_format="numpy"):
+    columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    selected = dataset.select_columns(["status", *names])
+    for batch in selected.iter_batches(batch_size=4096, batch_format="numpy"):
         statuses.append(np.asarray(batch["status"]).astype(str))
-        lengths.append(np.asarray(batch["num_tokens"], dtype=np.int64))
-        raw.append(np.asarray(batch["raw_tokens"], dtype=np.int64))
+        for name in names:
+            columns[name].append(np.asarray(batch[name], dtype=np.int64))
     status = np.concatenate(statuses) if statuses else np.zeros(0, dtype=str)
-    num_tokens = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
-    raw_tokens = np.concatenate(raw) if raw else np.zeros(0, dtype=np.int64)
+    num_tokens, raw_tokens, label_tokens = (
+        np.concatenate(columns[name]) if statuses else np.zeros(0, dtype=np.int64) for name in names)
     counts = {name: int(np.count_nonzero(status == name)) for name in ROW_STATUSES}
-    scan = DataScan(num_rows=len(status), lengths=num_tokens[np.isin(status, USABLE_STATUSES)], counts=counts)
+    usable = np.isin(status, USABLE_STATUSES)
+    scan = DataScan(num_rows=len(status), lengths=num_tokens[usable], counts=counts,
+                    label_tokens=int(label_tokens[usable].sum()))
     check_scan(data, scan, raw_tokens[status == "too_long"], max_length=max_length)
     return scan
 
@@ -139,4 +152,13 @@ def check_scan(data: DataConfig, scan: DataScan, too_long_lengths: np.ndarray, *
         where = (f"data.path={data.path!r}" if data.source == "path"
                  else f"data.source=synthetic (data.num_samples={data.num_samples})")
         bad = ", ".join(f"{k}={v}" for k, v in scan.counts.items() if v)
-        raise DataError(f"no usable rows in {where} ({scan.num_rows} rows: {bad or 'none'})")
+        hints: list[str] = []
+        if scan.counts.get("empty"):
+            hints.append(f"empty rows have no label token (data.labels={data.labels}; with assistant a chat "
+                         "needs an assistant turn, and a row of one token has no next token to learn)")
+        if scan.counts.get("truncated_empty"):
+            hints.append(f"truncation to {max_length} tokens cut every label token away (data.too_long="
+                         f"truncate, data.truncate_side={data.truncate_side}; left keeps the end of a chat): "
+                         "raise data.max_length or scheduling.bucket_size * parallel.cp_size")
+        raise DataError(f"no usable rows in {where} ({scan.num_rows} rows: {bad or 'none'})"
+                        + "".join(f"; {hint}" for hint in hints))

@@ -2,7 +2,8 @@
 
     ray.data.range(n) --SynthesizeBatch--> {sample_id, messages}          (data.source: synthetic)
     read_parquet / read_text / from_huggingface --> {messages | text | json_line rows}
-        --TokenizeBatch--> {input_ids list<int32>, labels list<int32>, num_tokens, raw_tokens, status}
+        --TokenizeBatch--> {input_ids list<int32>, labels list<int32>, num_tokens, raw_tokens, label_tokens,
+                            status}
 
 Both take and return pyarrow Tables (`batch_format="pyarrow"`); the token columns are built as Arrow list
 arrays from one flat int32 buffer plus offsets, not from per-row Python lists. Neither imports Ray: they
@@ -61,6 +62,7 @@ class TokenizeBatch:
             "input_ids": int32_lists(out.input_ids), "labels": int32_lists(out.labels),
             "num_tokens": pa.array(out.num_tokens, pa.int64()),
             "raw_tokens": pa.array(out.raw_tokens, pa.int64()),
+            "label_tokens": pa.array(out.label_tokens, pa.int64()),
             "status": pa.array(out.status, pa.string()),
         })
 

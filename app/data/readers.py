@@ -9,6 +9,11 @@
 Files of a directory are read in sorted path order (nested dirs included), so the row stream, and with it
 the planner's sample ids, is the same on every run. JSONL lines are handed on raw (`json_line`) and parsed
 by the tokenizer, so one bad line is a counted `malformed` row instead of a failed read.
+
+Bad files fail on the driver, in resolve_source, with one DataError naming data.path and the file, before
+any Ray task starts: every parquet file's schema (footer) is read, so a 0-byte, cut-off or non-parquet
+file, or one that cannot be opened, is caught there; every JSONL file is read through once and decoded as
+UTF-8 (a line-at-a-time reader would otherwise die mid-run with a raw UnicodeDecodeError).
 """
 
 from __future__ import annotations
@@ -51,7 +56,12 @@ def resolve_source(data: DataConfig) -> DataSource:
     files = _list_files(path, (suffix, ".json") if fmt == "jsonl" else (suffix,))
     if not files:
         raise DataError(f"data.path={data.path!r} holds no {suffix} files (data.format={data.format})")
-    columns = ROW_COLUMNS if fmt == "jsonl" else _parquet_columns(files[0])
+    if fmt == "jsonl":
+        for file in files:
+            _check_utf8(file)
+        return DataSource(format=fmt, files=files, columns=ROW_COLUMNS)
+    schemas = [_parquet_schema_names(file) for file in files]  # reads every footer: bad files fail here
+    columns = _require_columns(schemas[0], f"data.path file {files[0]!r}")
     return DataSource(format=fmt, files=files, columns=columns)
 
 
@@ -84,10 +94,53 @@ def _require_columns(present: list[str], where: str) -> tuple[str, ...]:
     return columns
 
 
-def _parquet_columns(file: str) -> tuple[str, ...]:
+def _unreadable(file: str, why: object) -> DataError:
+    return DataError(f"data.path file {file!r} cannot be read: {why}; fix or remove the file, or point "
+                     "data.path elsewhere")
+
+
+def _parquet_schema_names(file: str) -> list[str]:
+    """Column names from the file's footer; DataError for an empty, cut-off or non-parquet file."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return _require_columns(pq.read_schema(file).names, f"data.path file {file!r}")
+    try:
+        names = pq.read_schema(file).names if Path(file).stat().st_size else None
+    except (OSError, ValueError, pa.ArrowException) as err:  # ArrowInvalid is a ValueError, IO errors OSError
+        raise _unreadable(file, f"not a valid parquet file ({type(err).__name__}: {err})") from None
+    if names is None:  # pyarrow's own message for this case does not say which file
+        raise _unreadable(file, "it is empty (0 bytes), not a parquet file")
+    return names
+
+
+_UTF8_CHUNK = 16 << 20  # bytes decoded at a time: bounded memory on any file size
+
+
+def _check_utf8(file: str) -> None:
+    """Decode the whole file as UTF-8 in chunks; DataError naming the file and the first bad line."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = lines = 0  # bytes and newlines of the chunks already decoded, to place an error
+    try:
+        with open(file, "rb") as handle:
+            while chunk := handle.read(_UTF8_CHUNK):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as err:
+                    # err.start is relative to the chunk plus any bytes the decoder held back from the
+                    # previous one (< 4); clamp so the position stays inside this chunk.
+                    start = max(0, min(err.start, len(chunk)))
+                    line = lines + chunk.count(b"\n", 0, start) + 1
+                    raise _unreadable(file, f"line {line} (near byte {offset + start}) is not valid UTF-8 "
+                                            f"({err.reason})") from None
+                offset += len(chunk)
+                lines += chunk.count(b"\n")
+            decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:  # the file ends inside a multi-byte character
+        raise _unreadable(file, f"it ends inside a UTF-8 character ({err.reason})") from None
+    except OSError as err:
+        raise _unreadable(file, f"{type(err).__name__}: {err}") from None
 
 
 def load_hf_dataset(path: str) -> Any:

@@ -15,10 +15,34 @@ Each piece is encoded separately ("{role}\\n", the content, "\\n"); this equals 
 string except when a content starts with whitespace that BPE would merge with the header's newline, and it
 makes the label spans exact token boundaries. `text` rows are plain text with labels on every token.
 
-Status of a row (never raised: the consumer counts and skips):
-    ok | empty (no tokens or no label tokens) | malformed (wrong types, bad JSON) |
-    truncated / dropped / too_long (longer than max_length with data.too_long = truncate / drop / error).
-Rows that are not ok or truncated carry empty ids; `raw_tokens` keeps the length before truncation/dropping.
+Label tokens are counted as the loss sees them: it predicts token t+1 from token t (targets = labels
+shifted left by one, workers/batch.py shifted_targets), so the first token's label is never a target and
+a row's label tokens are count(labels[1:] != -100) (scheduling.payload.Sample.num_label_tokens).
+
+Length limit (max_length) with data.too_long=truncate cuts a window of max_length tokens out of the row,
+from the side data.truncate_side names. The 18-token row above with max_length=8 (S = <|im_start|>,
+E = <|im_end|>, _ = a space):
+
+    ids    S user \\n What _is _ 2 + 2 ? E \\n S assistant \\n 4 E \\n
+    left   (default) keep the LAST 8:  E \\n S assistant \\n 4 E \\n
+           labels -100 -100 -100 -100 -100 4 E -100: 2 label tokens after the shift      -> truncated
+    right  keep the FIRST 8:           S user \\n What _is _ 2 +
+           no label token                                                                -> truncated_empty
+
+Left keeps the end of the conversation, so on long-context / short-answer data (a long user context, a
+short answer last) the last answer survives whole whenever it fits; right keeps the start (the old rule).
+
+Status of a row (never raised: the consumer counts and skips), decided in this order:
+    malformed        wrong types, bad JSON
+    empty            no label token after the shift before any limit (no tokens, a one-token row, a chat
+                     without an assistant turn with data.labels=assistant)
+    ok               fits in max_length
+    truncated        too long, data.too_long=truncate, and the window keeps >= 1 label token
+    truncated_empty  too long, data.too_long=truncate, and the window keeps no label token
+    dropped / too_long   too long with data.too_long = drop / error
+Only ok and truncated rows are usable (scheduling.payload.USABLE_STATUSES): each has >= 1 label token after
+truncation and the shift. Every other row carries empty ids and labels; `raw_tokens` keeps the length
+before truncation/dropping and `label_tokens` the label tokens of the ids the row carries.
 """
 
 from __future__ import annotations
@@ -34,6 +58,7 @@ from app.data.tokenizer import TextTokenizer
 from scheduling.payload import IGNORE_INDEX
 
 _TOO_LONG_STATUS = {"truncate": "truncated", "drop": "dropped", "error": "too_long"}
+_TRUNCATE_SIDES = ("left", "right")
 
 
 class MalformedRow(Exception):
@@ -42,18 +67,28 @@ class MalformedRow(Exception):
 
 @dataclass(frozen=True)
 class TemplateSettings:
-    """How rows become tokens: data.chat_template, data.labels, max length and data.too_long."""
+    """How rows become tokens: data.chat_template, data.labels, max length, data.too_long, data.truncate_side.
+
+    truncate_side (with too_long=truncate): "left" keeps the LAST max_length tokens (drops the oldest
+    context, so the last answer survives), "right" keeps the FIRST max_length.
+    """
 
     chat_template: bool = True
     labels: str = "assistant"
     max_length: int | None = None
     too_long: str = "error"
+    truncate_side: str = "left"
 
     def __post_init__(self) -> None:
         if self.labels not in ("assistant", "all"):
             raise ValueError(f"data.labels={self.labels!r} is not one of: assistant, all")
         if self.too_long not in _TOO_LONG_STATUS:
             raise ValueError(f"data.too_long={self.too_long!r} is not one of: error, truncate, drop")
+        if self.truncate_side not in _TRUNCATE_SIDES:
+            raise ValueError(f"data.truncate_side={self.truncate_side!r} is not one of: left, right")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"max_length={self.max_length} must be >= 1 (data.max_length, "
+                             "scheduling.bucket_size * parallel.cp_size)")
 
 
 @dataclass
@@ -68,6 +103,20 @@ class TokenizedRows:
     @property
     def num_tokens(self) -> list[int]:
         return [len(ids) for ids in self.input_ids]
+
+    @property
+    def label_tokens(self) -> list[int]:
+        """Label tokens of each row's ids after the shift (0 for every row that is not usable)."""
+        return [count_label_tokens(labels) for labels in self.labels]
+
+
+def count_label_tokens(labels: np.ndarray) -> int:
+    """Tokens that are a next-token target: count(labels[1:] != -100), as the loss sees them.
+
+    Same rule as scheduling.payload.Sample.num_label_tokens: the loss's targets are the labels shifted
+    left by one, so the first token's label never counts (a one-token row has no target at all).
+    """
+    return int(np.count_nonzero(labels[1:] != IGNORE_INDEX))
 
 
 # A rendered row before encoding: (special-token id | text to encode, whether it carries labels).
@@ -129,16 +178,31 @@ def _assemble(pieces: list[Piece], encoded: dict[str, list[int]]) -> tuple[np.nd
     return np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32)
 
 
-def _apply_limit(ids: np.ndarray, labels: np.ndarray, settings: TemplateSettings):
-    """(ids, labels, status) after the length limit and the empty-row check."""
-    if len(ids) == 0 or not np.any(labels != IGNORE_INDEX):
+def _apply_limit(ids: np.ndarray, labels: np.ndarray,
+                 settings: TemplateSettings) -> tuple[np.ndarray, np.ndarray, str]:
+    """(ids, labels, status) after the empty-row check, the length limit and the post-truncation check.
+
+    1. no label token after the shift in the whole row -> empty
+    2. len <= max_length (or no limit) -> ok, unchanged
+    3. too long: drop / error -> dropped / too_long; truncate -> the window of max_length tokens at the
+       data.truncate_side end, then truncated if it keeps >= 1 label token after the shift, else
+       truncated_empty. Counting after the cut AND the shift is what makes "usable" mean "trains on
+       something": checking before either one let truncation or a one-token row produce a 0.0 loss.
+    Rows that are not ok / truncated come back with empty ids and labels.
+    """
+    if count_label_tokens(labels) == 0:
         return ids[:0], labels[:0], "empty"
-    if settings.max_length is None or len(ids) <= settings.max_length:
+    limit = settings.max_length
+    if limit is None or len(ids) <= limit:
         return ids, labels, "ok"
     status = _TOO_LONG_STATUS[settings.too_long]
-    if status == "truncated":
-        return ids[: settings.max_length], labels[: settings.max_length], status
-    return ids[:0], labels[:0], status
+    if status != "truncated":
+        return ids[:0], labels[:0], status
+    window = slice(len(ids) - limit, None) if settings.truncate_side == "left" else slice(0, limit)
+    ids, labels = ids[window], labels[window]
+    if count_label_tokens(labels) == 0:
+        return ids[:0], labels[:0], "truncated_empty"
+    return ids, labels, status
 
 
 def tokenize_rows(rows: Sequence[Mapping[str, Any]], tok: TextTokenizer,

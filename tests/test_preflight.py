@@ -1,0 +1,105 @@
+"""Pre-flight: each mistake fails before any worker starts, with exit code 2, one message naming the knob,
+and nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.__main__ import main
+from app.config import ConfigError, load_config
+from app.preflight import run_name
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _train_args(tmp_path: Path, *overrides: str) -> list[str]:
+    base = [f"run.storage_path={tmp_path}", "run.name=bad", "train.steps=1", "data.num_samples=24",
+            "data.length_scale=0.1", "scheduling.global_batch_size=8"]
+    return ["train", "--config", "configs/tiny-cpu.yaml", "--no-progress",
+            *[arg for o in (*base, *overrides) for arg in ("--set", o)]]
+
+
+def test_a_typo_in_a_hub_style_model_name_fails_in_seconds(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.monotonic()
+    assert main(_train_args(tmp_path, "model.name_or_path=tiny-qwen3")) == 2
+    assert time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert "model.name_or_path='tiny-qwen3'" in err and "HF_HUB_OFFLINE" in err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_an_empty_config_file_is_an_error(tmp_path: Path, capsys) -> None:
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing yet\n")
+    assert main(["train", "--config", str(empty)]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_an_unwritable_output_path_is_an_error(tmp_path: Path, capsys) -> None:
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("")
+    assert main(_train_args(tmp_path, f"run.storage_path={a_file / 'runs'}")) == 2
+    assert "run.storage_path" in capsys.readouterr().err
+
+
+def test_a_broken_hardware_profile_is_an_error(tmp_path: Path, capsys) -> None:
+    profile = tmp_path / "dup.yaml"
+    profile.write_text("name: dup\nmfu: 0.3\nmfu: 0.4\n")
+    assert main(_train_args(tmp_path, f"hardware.profile={profile}")) == 2
+    assert "duplicate key 'mfu'" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_set_errors_name_the_override_not_the_file(capsys) -> None:
+    assert main(["plan", "--config", "configs/tiny-cpu.yaml", "--set", "model.dtype=fp16"]) == 2
+    err = capsys.readouterr().err
+    assert "--set model.dtype=fp16" in err and "tiny-cpu.yaml" not in err
+    unsafe = "x=!!python/object/apply:os.getcwd []"
+    assert main(["plan", "--config", "configs/tiny-cpu.yaml", "--set", unsafe]) == 2
+    assert "--set x=" in capsys.readouterr().err
+
+
+def test_run_names_are_unique_within_a_second() -> None:
+    config = load_config(None, ["run.name="])
+    names = {run_name(config) for _ in range(20)}
+    assert len(names) == 20 and all(n.startswith("skrull-") for n in names)
+
+
+def test_verify_asks_for_force_beyond_this_machines_memory(capsys) -> None:
+    assert main(["verify", "--cp", "2", "--lengths", "20000000"]) == 2
+    err = capsys.readouterr().err
+    assert "estimated peak memory" in err and "--force" in err
+
+
+@pytest.mark.slow
+def test_more_cpus_than_the_machine_has_fails_fast(tmp_path: Path) -> None:
+    """resources.cpus_per_worker=4 on an embedded Ray of 4 logical CPUs: one error, not a retry loop."""
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "app", *_train_args(tmp_path, "resources.cpus_per_worker=4",
+                                                          "resources.num_cpus=4")]
+    started = time.monotonic()
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert time.monotonic() - started < 120
+    assert "resources.cpus_per_worker" in result.stderr and "parallel.num_workers" in result.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_a_global_batch_larger_than_an_epoch_is_an_error(local_ray, tmp_path: Path) -> None:
+    from app.driver import train
+
+    config = load_config("configs/tiny-cpu.yaml", [
+        f"run.storage_path={tmp_path}", "run.name=big", "data.num_samples=10", "data.length_scale=0.1",
+        "scheduling.global_batch_size=16", "train.steps=1"])
+    with pytest.raises(ConfigError, match=r"global_batch_size=16 is larger than the 10 usable rows"):
+        train(config, progress=False)
+    assert not (tmp_path / "big").exists()
