@@ -43,9 +43,9 @@ def test_readers_tokenize_in_order(local_ray, formats, fmt: str) -> None:
     got = tokenized(config("data.source=path", f"data.path={paths[fmt]}")).take_all()
     assert [r["status"] for r in got] == expected_statuses(fmt)
     ref = tokenize_rows(rows, load_tokenizer("qwen"), TemplateSettings())
-    for row, ids, labels in zip(got, ref.input_ids, ref.labels, strict=False):
+    for row, ids, labels, label_tokens in zip(got, ref.input_ids, ref.labels, ref.label_tokens, strict=False):
         assert list(row["input_ids"]) == ids.tolist() and list(row["labels"]) == labels.tolist()
-        assert row["num_tokens"] == len(ids)
+        assert row["num_tokens"] == len(ids) and row["label_tokens"] == label_tokens
 
 
 def test_synthetic_source_equals_generated_rows(local_ray) -> None:
@@ -66,21 +66,53 @@ def test_scan_counts_and_too_long_policies(local_ray, formats) -> None:
     base = ("data.source=path", f"data.path={paths['hf']}")  # the quickest reader to start
     result = scan(config(*base))
     assert result.num_rows == len(rows) and result.lengths.tolist() == ok_lengths
-    assert result.counts == {"ok": len(ok_lengths), "empty": 1, "malformed": 2, "truncated": 0, "dropped": 0,
-                           "too_long": 0}
+    assert result.counts == {"ok": len(ok_lengths), "empty": 1, "malformed": 2, "truncated": 0,
+                             "truncated_empty": 0, "dropped": 0, "too_long": 0}
+    ref = tokenize_rows(rows, load_tokenizer("qwen"), TemplateSettings())
+    assert result.label_tokens == sum(ref.label_tokens) > 0
+    assert result.summary().startswith(f"data: {len(ok_lengths)}/{len(rows)} rows usable, {sum(ok_lengths)} "
+                                       f"tokens ({result.label_tokens} label tokens), empty=1, malformed=2")
     limit = 150
     num_long = sum(n > limit for n in ok_lengths)
     assert num_long > 0
     truncated = scan(config(*base, f"data.max_length={limit}", "data.too_long=truncate"))
+    # The default side is left: these chats end with an answer, so every cut row keeps label tokens.
     assert truncated.counts["truncated"] == num_long and truncated.lengths.max() == limit
+    assert truncated.counts["truncated_empty"] == 0
     assert truncated.lengths.tolist() == [min(n, limit) for n in ok_lengths]
     with pytest.raises(DataError, match=r"data.too_long=truncate.*scheduling.bucket_size"):
         scan(config(*base, f"data.max_length={limit}", "data.too_long=error"))
 
 
+@pytest.mark.parametrize(("side", "limit"), [("left", 12), ("right", 12), ("right", 40)])
+def test_truncation_counts_match_the_template(local_ray, formats, side: str, limit: int) -> None:
+    """truncated / truncated_empty and the label tokens of the summary, for both sides, against the pure
+    template; every usable row of the stream has a label token after the shift."""
+    rows, paths = formats
+    settings = ("data.source=path", f"data.path={paths['hf']}", f"data.max_length={limit}",
+                "data.too_long=truncate", f"data.truncate_side={side}")
+    got = tokenized(config(*settings)).take_all()
+    ref = tokenize_rows(rows, load_tokenizer("qwen"), TemplateSettings(max_length=limit, too_long="truncate",
+                                                                       truncate_side=side))
+    assert [r["status"] for r in got] == ref.status
+    assert [r["label_tokens"] for r in got] == ref.label_tokens
+    assert all(r["label_tokens"] >= 1 for r in got if r["status"] in ("ok", "truncated"))
+    result = scan(config(*settings))
+    assert result.counts["truncated_empty"] == ref.status.count("truncated_empty")
+    assert result.label_tokens == sum(ref.label_tokens)
+    if side == "right":  # the first 12 or 40 tokens of these chats are mostly prompt
+        assert result.counts["truncated_empty"] > 0
+        assert f"truncated_empty={result.counts['truncated_empty']}" in result.summary()
+
+
 def test_missing_path_and_no_usable_rows(local_ray, tmp_path) -> None:
     with pytest.raises(DataError, match="data.path"):
         tokenized(config("data.source=path", f"data.path={tmp_path / 'missing'}"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "part-0.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match=r"data.path file .*part-0.parquet' cannot be read: it is empty"):
+        tokenized(config("data.source=path", f"data.path={broken}"))
     junk = tmp_path / "junk.jsonl"
     junk.write_text('{"messages": []}\nnot json\n')
     with pytest.raises(DataError, match=r"no usable rows in data.path.*empty=1, malformed=1"):

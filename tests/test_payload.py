@@ -51,3 +51,26 @@ def test_payloads_cover_every_sample_once_per_dp_rank(policy: str) -> None:
 def test_sample_rejects_mismatched_labels() -> None:
     with pytest.raises(ValueError, match="equal and non-empty"):
         Sample(sample_id=0, input_ids=np.arange(3), labels=np.arange(2))
+
+
+def test_a_global_batch_without_label_tokens_is_an_error() -> None:
+    """Never a silent 0.0 loss: the guard names the knobs that can empty a batch."""
+    lengths = [5, 9, 1]
+    samples = [Sample(sample_id=i, input_ids=np.arange(n), labels=np.full(n, IGNORE_INDEX))
+               for i, n in enumerate(lengths)]
+    # The one label token of the last sample is its first token: the loss never sees it (shifted away).
+    samples[2] = Sample(sample_id=2, input_ids=np.arange(1), labels=np.zeros(1, dtype=np.int64))
+    plan = plan_step("skrull", lengths, dp_size=1, cp_size=1, bucket_size=100, cost=COST)
+    with pytest.raises(ValueError, match=r"step 7: .*no label token.*data.labels.*data.too_long.*"
+                                         r"data.truncate_side"):
+        build_rank_payloads(plan, samples, step=7, epoch=0, cursor=Cursor(epoch=0, rows=3), plan_ms=0.0)
+    samples[1] = _samples([9])[0]  # one sample with label tokens is enough
+    assert build_rank_payloads(plan, samples, step=7, epoch=0, cursor=Cursor(epoch=0, rows=3),
+                               plan_ms=0.0)[0, 0].global_label_tokens == 5
+
+
+def test_statuses_truncated_empty_is_counted_not_trained() -> None:
+    from scheduling.payload import ROW_STATUSES, USABLE_STATUSES
+
+    assert "truncated_empty" in ROW_STATUSES and "truncated_empty" not in USABLE_STATUSES
+    assert set(USABLE_STATUSES) == {"ok", "truncated"} and set(USABLE_STATUSES) <= set(ROW_STATUSES)

@@ -60,3 +60,53 @@ def test_bench_planner_json(capsys):
     rows = json.loads(capsys.readouterr().out)["planner"]
     assert [(r["sequences"], r["ranks"]) for r in rows] == list(bench.CASES)
     assert all(r["plan_ms_median"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("mode", ["truncate", "drop"])
+def test_plan_says_how_many_rows_too_long_changed(capsys, mode: str):
+    from app.config import load_config
+    from app.plan_report import sample_batches
+
+    argv = ["--config", PAPER, "--set", "plan.num_batches=1", "--set", "data.max_length=2000",
+            "--set", f"data.too_long={mode}"]
+    assert _run(plan, [*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"policies", "too_long"} and set(out["policies"]) == set(POLICIES)
+    report = out["too_long"]
+    assert report["mode"] == mode and report["limit"] == 2000 and 0 < report["rows"] < report["sampled"]
+    # The count is the sampled sequences over the limit (the synthetic source draws 2x for drop only).
+    config = load_config(PAPER, ["plan.num_batches=1", "data.max_length=2000", f"data.too_long={mode}"])
+    batches, too_long = sample_batches(config)
+    size = config.scheduling.global_batch_size
+    assert too_long.as_json() == report and report["sampled"] == (2 if mode == "drop" else 1) * size
+    assert max(int(b.max()) for b in batches) <= 2000
+    assert _run(plan, argv) == 0
+    text = capsys.readouterr().out
+    line = (f"data.too_long=truncate: {report['rows']} of {size} sampled sequences cut to 2000 tokens "
+            "(data.truncate_side=left)" if mode == "truncate" else
+            f"data.too_long=drop: {report['rows']} of {2 * size} sampled sequences dropped (longer than "
+            "2000 tokens)")
+    assert line in text.splitlines()
+
+
+def test_plan_json_reports_an_unchanged_sample(capsys):
+    assert _run(plan, ["--config", PAPER, "--set", "plan.num_batches=1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # The paper config truncates at bucket_size * cp_size = 208,000 tokens: no LMSYS-like row is that long.
+    assert out["too_long"] == {"mode": "truncate", "rows": 0, "limit": 26000 * 8, "sampled": 256}
+    assert _run(plan, ["--config", PAPER, "--set", "plan.num_batches=1"]) == 0
+    assert "data.too_long=truncate: 0 of 256 sampled sequences cut" in capsys.readouterr().out
+
+
+def test_apply_too_long_returns_the_rows_it_changed():
+    import numpy as np
+
+    from app.config import load_config
+    from app.plan_report import apply_too_long
+
+    lengths = np.array([5, 50, 10, 99, 7])
+    for mode, expected in (("truncate", [5, 10, 10, 10, 7]), ("drop", [5, 10, 7])):
+        config = load_config(None, ["data.max_length=10", f"data.too_long={mode}"])
+        kept, changed = apply_too_long(lengths, config)
+        assert kept.tolist() == expected and changed == 2
+    assert apply_too_long(lengths, load_config(None, ["data.max_length=100"]))[1] == 0

@@ -2,7 +2,7 @@
 
     app/data/
     ├── tokenizer.py   load_tokenizer(data.tokenizer) -> TextTokenizer (offline Qwen BPE or a HF tokenizer)
-    ├── template.py    one row (messages | text) -> input_ids, labels, status  (pure, no Ray)
+    ├── template.py    one row (messages | text) -> input_ids, labels, status, label_tokens  (pure)
     ├── synth.py       seeded Markov-chain chat conversations with exact target token lengths (pure)
     ├── readers.py     format detection, ordered file lists, local (Ray-free) row batches
     ├── ray_ops.py     the callable classes Ray Data runs in `map_batches` (generate, tokenize)
