@@ -103,12 +103,14 @@ def test_embedded_train_beside_a_running_cluster_is_quiet(ray_head: str, tmp_pat
     command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml",
                "--set", f"run.storage_path={tmp_path}", "--set", "run.name=quiet", "--set", "train.steps=2",
                "--set", "data.num_samples=32", "--set", "data.length_scale=0.1"]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    # Bytes, not text=True: universal newlines would turn tqdm's \r redraws into lines of their own.
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, timeout=600)
+    stdout, stderr = result.stdout.decode(), result.stderr.decode()
     log = (tmp_path / "quiet" / "logs" / "driver.log").read_text()
-    assert result.returncode == 0, result.stderr[-3000:] + log[-3000:]
+    assert result.returncode == 0, stderr[-3000:] + log[-3000:]
     # tqdm redraws its line with \r, so a terminal shows one line per \n.
-    lines = [line for line in (result.stdout + result.stderr).split("\n") if line.strip()]
+    lines = [line for line in (stdout + stderr).split("\n") if line.strip()]
     assert len(lines) <= 8, lines
-    assert result.stderr.startswith("data: ") and "trained 2 steps" in result.stdout
+    assert stderr.startswith("data: ") and "trained 2 steps" in stdout
     assert "Reporting training result" in log and "Started a local Ray instance" in log
     assert "multiple active Ray instances" not in log and "Traceback" not in log
