@@ -257,6 +257,10 @@ class SkrullConfig:
                  f"size {dp}: every DP rank needs at least one sequence per step")
         _require(self.resources.gpus_per_worker > 0 or self.parallel.backend != "nccl",
                  "parallel.backend=nccl needs GPUs: set resources.gpus_per_worker=1 or parallel.backend=gloo")
+        on_gpu, backend = self.resources.gpus_per_worker > 0, self.model.attention_backend
+        _require(backend == "auto" or (backend == "torch") != on_gpu,
+                 f"model.attention_backend={backend} runs on {'CPU' if backend == 'torch' else 'CUDA'} only, "
+                 f"but resources.gpus_per_worker={self.resources.gpus_per_worker:g}: use auto or change one")
 
     @property
     def max_sequence_length(self) -> int:

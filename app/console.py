@@ -6,7 +6,7 @@ reach this process's file descriptors 1 and 2, or those of the processes it star
 So the capture happens at the descriptor level: fds 1 and 2 point at `<run_dir>/logs/driver.log` for the
 duration of the run, and the command writes its own lines (progress bar, data summary, warnings that need
 the user's action) to a duplicate of the original stderr. An exception restores the descriptors before it
-propagates, so the error reaches the terminal whole.
+propagates, so the error reaches the terminal whole (the caller adds where the full log is).
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ def captured_output(log_path: Path) -> Iterator[TextIO]:
         os.dup2(log.fileno(), 2)
         try:
             yield terminal
-        except BaseException:
-            terminal.write(f"full log: {log_path}\n")
-            raise
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

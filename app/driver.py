@@ -189,7 +189,8 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     name = run_name(config)
     run_dir = run_directory(config, name)
     existed = run_dir.exists()
-    capture = captured_output(run_dir / "logs" / "driver.log") if quiet else contextlib.nullcontext(out)
+    log = run_dir / "logs" / "driver.log"
+    capture = captured_output(log) if quiet else contextlib.nullcontext(out)
     try:
         with capture as terminal:
             return _run(config, name, run_dir, progress=progress, worker_logs=worker_logs,
@@ -197,6 +198,10 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     except ConfigError:
         if not existed:  # rejected before any worker started: leave nothing half-written behind
             shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    except BaseException:
+        if quiet:  # the descriptors are restored: the terminal gets this line, then the error itself
+            print(f"full log: {log}", file=sys.stderr, flush=True)
         raise
 
 

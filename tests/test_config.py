@@ -29,6 +29,7 @@ def test_sections_are_frozen_and_keyword_only() -> None:
     ("train.log_every=0", "train.log_every must be >= 1"),
     ("resources.cpus_per_worker=-1", "resources.cpus_per_worker must be >= 0"),
     ("parallel.backend=nccl", "parallel.backend=nccl needs GPUs"),
+    ("model.attention_backend=flash", "model.attention_backend=flash runs on CUDA only"),
     ("scheduling.global_batch_size=1", "smaller than the DP size"),
 ])
 def test_every_section_checks_its_own_fields(override: str, message: str) -> None:
