@@ -48,7 +48,7 @@ def _require(ok: bool, message: str) -> None:
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "skrull-run"
-    """Run name: outputs go to <storage_path>/<name>/ (empty: timestamped); an existing run is refused."""
+    """Run name: outputs go to <storage_path>/<name>/ (empty: a unique one); an existing run is resumed."""
     storage_path: str = "runs"
     """Local directory that holds runs (on a cluster: one shared by all nodes); relative to the cwd."""
 
@@ -201,6 +201,8 @@ class TrainConfig:
     """Reduce per-step metrics across ranks and report them every this many steps (GPU configs: 10)."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept in the run directory (0: keep every one)."""
+    allow_config_change: bool = False
+    """Resume a run although a key that changes its math (model, data, batch, optimizer) differs."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0 and self.epochs >= 1, "train.steps must be >= 0 and train.epochs >= 1")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from app.config import ConfigError, SkrullConfig
-from app.preflight import preflight, run_directory, run_name
+from app.preflight import preflight, run_directory, run_name, write_snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,10 @@ class TrainSummary:
     tokens_per_s: float
     checkpoint: str | None
     run_dir: str
+    resumed_from_step: int | None
+    """The checkpoint step this call resumed from (None: a fresh run)."""
+    restarts: int
+    """Worker-group restarts during this call (after worker failures)."""
     history: list[dict[str, float]]
     """Every step's reported metrics (loss, tokens_per_s, step_s, planner_wait_s, ...), in step order."""
 
@@ -189,6 +193,7 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     name = run_name(config)
     run_dir = run_directory(config, name)
     existed = run_dir.exists()
+    write_snapshot(config, run_dir)
     log = run_dir / "logs" / "driver.log"
     capture = captured_output(log) if quiet else contextlib.nullcontext(out)
     try:
@@ -208,13 +213,18 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
 def _run(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, worker_logs: bool,
          out: TextIO) -> TrainSummary:
     with ray_session(config, worker_logs=worker_logs) as embedded:
-        history, checkpoint = _fit(config, name, run_dir, progress=progress, out=out, embedded=embedded)
+        reports, checkpoint = _fit(config, name, run_dir, progress=progress, out=out, embedded=embedded)
+    # A restarted worker group re-runs the steps after its checkpoint: the last report of a step counts.
+    history = sorted({h["step"]: h for h in reports}.values(), key=lambda h: h["step"])
     total_time = sum(h["step_s"] for h in history)
+    sessions = list(dict.fromkeys(h["session"] for h in reports))
+    resumed = int(reports[0]["resumed_from_step"])
     return TrainSummary(
         steps=len(history), samples=sum(int(h["samples"]) for h in history),
         tokens=sum(int(h["tokens"]) for h in history), loss_first=history[0]["loss"],
         loss_last=history[-1]["loss"], tokens_per_s=sum(h["tokens"] for h in history) / max(total_time, 1e-9),
-        checkpoint=checkpoint, run_dir=str(run_dir), history=[dict(h) for h in history],
+        checkpoint=checkpoint, run_dir=str(run_dir), resumed_from_step=resumed or None,
+        restarts=len(sessions) - 1, history=[dict(h) for h in history],
     )
 
 

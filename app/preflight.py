@@ -12,6 +12,7 @@ which `python -m app` turns into exit code 2 and one line naming the knob.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -55,17 +56,54 @@ def run_name(config: SkrullConfig) -> str:
     return config.run.name or f"skrull-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
+CONFIG_SNAPSHOT = "skrull_config.json"
+"""The config a run started with; a resumed run is compared with it (check_resume)."""
+MATH_KEYS = (
+    "model.name_or_path", "model.random_init", "model.dtype", "model.vocab_size", "model.hidden_size",
+    "model.num_layers", "model.num_attention_heads", "model.num_key_value_heads", "model.intermediate_size",
+    "data.source", "data.path", "data.format", "data.distribution", "data.num_samples", "data.seed",
+    "data.length_scale", "data.tokenizer", "data.chat_template", "data.labels", "data.max_length",
+    "data.too_long", "data.truncate_side", "scheduling.global_batch_size", "train.lr", "train.weight_decay",
+    "train.warmup_steps", "train.grad_clip", "train.seed", "train.zero_stage",
+)
+"""Keys that change what a step computes; resuming with another value needs train.allow_config_change."""
+
+
 def run_directory(config: SkrullConfig, name: str) -> Path:
-    """<storage_path>/<name>, refusing to append a second run to an existing audit log."""
+    """<storage_path>/<name>: a new run, or an existing one to resume (same math, see check_resume)."""
     storage = Path(config.run.storage_path).expanduser().resolve()
     _check_writable(storage)
     run_dir = storage / name
-    if (run_dir / "samples.jsonl").exists():
-        raise ConfigError(
-            f"run {name!r} already exists in {storage} (resuming a run is not supported yet); "
-            "choose another run.name, or leave run.name empty for a unique one"
-        )
+    check_resume(config, run_dir)
     return run_dir
+
+
+def _dotted(tree: dict[str, Any], key: str) -> Any:
+    section, field = key.split(".")
+    return tree.get(section, {}).get(field)
+
+
+def check_resume(config: SkrullConfig, run_dir: Path) -> None:
+    """One ConfigError listing every math key whose value differs from the checkpointed run's config."""
+    snapshot = run_dir / CONFIG_SNAPSHOT
+    if not snapshot.exists() or config.train.allow_config_change:
+        return
+    before, now = json.loads(snapshot.read_text()), config.to_dict()
+    changed = [f"{key}: {_dotted(before, key)!r} -> {_dotted(now, key)!r}" for key in MATH_KEYS
+               if _dotted(before, key) != _dotted(now, key)]
+    if changed:
+        raise ConfigError(
+            f"run {run_dir.name!r} exists and resuming it would change its math: {'; '.join(changed)}. "
+            "Use another run.name, or --set train.allow_config_change=true to resume anyway"
+        )
+
+
+def write_snapshot(config: SkrullConfig, run_dir: Path) -> None:
+    """Record the config of a new run (a resumed run keeps the first one)."""
+    snapshot = run_dir / CONFIG_SNAPSHOT
+    if not snapshot.exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        snapshot.write_text(json.dumps(config.to_dict(), indent=1))
 
 
 def _check_writable(storage: Path) -> None:

@@ -15,6 +15,7 @@ per epoch in the run's samples.jsonl.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -49,6 +50,10 @@ class PlannerError(RuntimeError):
     """The planner could not produce a step (data ran out, or no valid plan); workers re-raise it."""
 
 
+class _Superseded(Exception):
+    """Internal: a restart replaced this planning thread's session; it stops without an error."""
+
+
 @ray.remote(num_cpus=0, max_concurrency=256)
 class PlannerActor:
     """Plans global batches ahead of training and hands each rank its payload (see module docstring)."""
@@ -62,19 +67,44 @@ class PlannerActor:
         first_step: int = 1,
     ) -> None:
         self._dataset = dataset
-        self._settings = settings
         self._cost = cost
-        self._start = start or Cursor(epoch=0, rows=0)
-        self._first_step = first_step
-        self._ready: dict[int, dict[tuple[int, int], ray.ObjectRef]] = {}
-        self._fetched: dict[int, set[tuple[int, int]]] = {}
-        self._consumed = first_step - 1  # highest step every rank has fetched
-        self._planned = first_step - 1
-        self._error: BaseException | None = None
         self._plan_ms: list[float] = []
         self._status_counts: dict[str, int] = {}
         self._cond = threading.Condition()
-        threading.Thread(target=self._run, name="skrull-planner", daemon=True).start()
+        self._generation = 0
+        self._session: str | None = None
+        self._begin(settings, start or Cursor(epoch=0, rows=0), first_step)
+
+    def restart(self, session: str, start: Cursor, first_step: int, dp_size: int) -> None:
+        """Plan again from `start` for step `first_step` on, for `dp_size` DP ranks (idempotent per session).
+
+        A (re)started worker group calls this with the cursor of the checkpoint it resumed from, so the
+        stream continues exactly after the last sample that checkpoint consumed; payloads planned for the
+        previous group are dropped, and the old planning thread stops at its next step.
+        """
+        with self._cond:
+            if session == self._session:
+                return
+            self._session = session
+            settings = dataclasses.replace(self._settings, dp_size=dp_size,
+                                           total_steps=self._last_step - first_step + 1)
+        self._begin(settings, start, first_step)
+
+    def _begin(self, settings: PlannerSettings, start: Cursor, first_step: int) -> None:
+        with self._cond:
+            self._generation += 1
+            self._settings = settings
+            self._start = start
+            self._first_step = first_step
+            self._last_step = first_step + settings.total_steps - 1
+            self._ready: dict[int, dict[tuple[int, int], ray.ObjectRef]] = {}
+            self._fetched: dict[int, set[tuple[int, int]]] = {}
+            self._consumed = first_step - 1  # highest step every rank has fetched
+            self._planned = first_step - 1
+            self._error: BaseException | None = None
+            self._cond.notify_all()
+        generation = self._generation
+        threading.Thread(target=self._run, args=(generation,), name="skrull-planner", daemon=True).start()
 
     # ---------------------------------------------------------------------------------------- workers
     def payload(self, step: int, dp_rank: int, cp_rank: int) -> tuple[list[ray.ObjectRef], int]:
@@ -112,39 +142,42 @@ class PlannerActor:
             }
 
     # ---------------------------------------------------------------------------------------- planning
-    def _run(self) -> None:
+    def _run(self, generation: int) -> None:
         try:
-            self._plan_all()
+            self._plan_all(generation)
+        except _Superseded:
+            return
         except BaseException as err:  # surfaced to every waiting worker by payload()
             with self._cond:
-                self._error = err
-                self._cond.notify_all()
+                if generation == self._generation:
+                    self._error = err
+                    self._cond.notify_all()
 
-    def _plan_all(self) -> None:
+    def _plan_all(self, generation: int) -> None:
         s = self._settings
-        last_step = self._first_step + s.total_steps - 1
+        last_step = self._last_step
         batch: list[Sample] = []
         step = self._first_step
-        for epoch, position, row in self._usable_rows():
+        for epoch, position, row in self._usable_rows(self._start):
             ids = np.asarray(row["input_ids"], dtype=np.int64)
             batch.append(Sample(sample_id=position, input_ids=ids,
                                 labels=np.asarray(row["labels"], dtype=np.int64)))
             if len(batch) < s.global_batch_size:
                 continue
-            self._publish(step, epoch, batch, Cursor(epoch=epoch, rows=position + 1))
+            self._publish(generation, s, step, epoch, batch, Cursor(epoch=epoch, rows=position + 1))
             batch = []
             if step == last_step:
                 return
             step += 1
 
-    def _usable_rows(self) -> Iterator[tuple[int, int, dict[str, Any]]]:
+    def _usable_rows(self, start: Cursor) -> Iterator[tuple[int, int, dict[str, Any]]]:
         """(epoch, position within epoch, row) of usable rows from the cursor on, cycling epochs.
 
         `train.steps` decides when to stop, so the stream repeats the data as often as needed; an epoch
         without a single usable row would repeat forever, so it is an error instead.
         """
-        epoch = self._start.epoch
-        skip = self._start.rows
+        epoch = start.epoch
+        skip = start.rows
         while True:
             usable = 0
             for position, row in enumerate(self._dataset.iter_rows()):
@@ -164,8 +197,8 @@ class PlannerActor:
             epoch += 1
             skip = 0
 
-    def _publish(self, step: int, epoch: int, batch: list[Sample], cursor: Cursor) -> None:
-        s = self._settings
+    def _publish(self, generation: int, s: PlannerSettings, step: int, epoch: int, batch: list[Sample],
+                 cursor: Cursor) -> None:
         started = time.perf_counter()
         step_plan = plan_step(
             s.policy, [sample.num_tokens for sample in batch], dp_size=s.dp_size, cp_size=s.cp_size,
@@ -177,12 +210,17 @@ class PlannerActor:
                                        plan_ms=plan_ms)
         refs = {rank: ray.put(payload) for rank, payload in payloads.items()}
         with self._cond:
+            if generation != self._generation:
+                raise _Superseded
             self._plan_ms.append(plan_ms)
             self._ready[step] = refs
             self._planned = step
             self._cond.notify_all()
-            # Stay at most `prefetch` steps ahead of the slowest rank.
-            self._cond.wait_for(lambda: self._planned - self._consumed < s.prefetch)
+            # Stay at most `prefetch` steps ahead of the slowest rank (or stop when restarted).
+            self._cond.wait_for(lambda: self._planned - self._consumed < s.prefetch
+                                or generation != self._generation)
+            if generation != self._generation:
+                raise _Superseded
 
 
 @dataclass(frozen=True, slots=True)

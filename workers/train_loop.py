@@ -11,7 +11,9 @@ checkpoints that every rank writes into its own temp dir, merged by Ray Train in
 from __future__ import annotations
 
 import json
+import os
 import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from scheduling.actor import PlannerClient
-from scheduling.payload import RankPayload
+from scheduling.payload import Cursor, RankPayload
 from workers.distributed import ParallelGroups
 from workers.engine import DeepSpeedConfig, build_engine
 from workers.metrics import MetricsWindow
@@ -45,7 +47,6 @@ class WorkerSettings:
     planner: Any
     """The PlannerActor handle."""
     seed: int = 0
-    first_step: int = 1
 
 
 def _append_samples(run_dir: str, payload: RankPayload) -> None:
@@ -71,14 +72,40 @@ def _report(window: list[dict[str, float]], engine: Any, payload: RankPayload, s
         return
     with tempfile.TemporaryDirectory(prefix="skrull-ckpt-") as tmp:
         tag = f"step{payload.step}"
-        state = {"step": payload.step, "epoch": payload.cursor.epoch, "rows": payload.cursor.rows, "tag": tag}
+        state = {"step": payload.step, "epoch": payload.cursor.epoch, "rows": payload.cursor.rows, "tag": tag,
+                 "dp_size": len(payload.sample_ids_by_dp_rank)}
         engine.save_checkpoint(tmp, tag=tag, client_state={"skrull": state})
         if dist.get_rank() == 0:
             Path(tmp, STATE_FILE).write_text(json.dumps(state))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
+def _resume_point(checkpoint: Any) -> dict[str, Any] | None:
+    """The skrull_state.json of Ray Train's newest complete checkpoint of this run, or None (fresh run)."""
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        return json.loads(Path(directory, STATE_FILE).read_text())
+
+
+def _cut_samples(run_dir: str, last_step: int) -> None:
+    """Keep only the samples.jsonl lines of steps the resumed model has trained (atomic replace)."""
+    path = Path(run_dir) / "samples.jsonl"
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """One start of the worker group: resume from the newest checkpoint (if any), then train to the end.
+
+    Ray Train calls this again after a worker failure (train.max_failures) or on a re-run of the same run
+    name: each start re-plans the remaining steps from the checkpoint's data cursor, cuts samples.jsonl
+    back to the checkpoint, and loads model, optimizer and LR schedule from it.
+    """
     import ray.train
     import ray.train.torch
 
@@ -90,11 +117,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     groups = ParallelGroups.create(world_size // settings.cp_size, settings.cp_size, device=device,
                                    attention_backend=settings.model.attention_backend)
+    checkpoint = ray.train.get_checkpoint()
+    resume = _resume_point(checkpoint)
+    resumed = resume["step"] if resume else 0
+    session = uuid.uuid4().hex  # only world rank 0's is used: it names this start of the worker group
+    if is_rank0:
+        _cut_samples(settings.run_dir, resumed)
+        start = Cursor(epoch=resume["epoch"], rows=resume["rows"]) if resume else Cursor(epoch=0, rows=0)
+        ray.get(settings.planner.restart.remote(session, start, resumed + 1, groups.dp_size))
+    dist.barrier(group=groups.world_group)  # nobody fetches before the planner restarted
     engine = build_engine(settings.model, settings.deepspeed, device, settings.seed)
+    if resume:
+        with checkpoint.as_directory() as directory:
+            engine.load_checkpoint(directory, tag=resume["tag"])
     planner = PlannerClient(settings.planner)
     window = MetricsWindow()
-    last = settings.first_step + settings.total_steps - 1
-    for step in range(settings.first_step, last + 1):
+    last = settings.total_steps
+    for step in range(resumed + 1, last + 1):
         fetched = planner.fetch(step, groups.dp_rank, groups.cp_rank)
         stats = run_step(engine, fetched.payload, groups, device=device,
                          loss_chunk_tokens=settings.loss_chunk_tokens)
@@ -103,4 +142,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             _append_samples(settings.run_dir, fetched.payload)
         save = step == last or bool(settings.checkpoint_every and step % settings.checkpoint_every == 0)
         if save or step % settings.log_every == 0:
-            _report(window.flush(groups.world_group), engine, fetched.payload, save=save)
+            metrics = [m | {"resumed_from_step": resumed, "session": session}
+                       for m in window.flush(groups.world_group)]
+            _report(metrics, engine, fetched.payload, save=save)
