@@ -86,6 +86,9 @@ class PlannerActor:
             if session == self._session:
                 return
             self._session = session
+            if (start, first_step, dp_size) == (self._start, self._first_step, self._settings.dp_size) \
+                    and self._consumed == first_step - 1:
+                return  # what is planned so far is exactly what the new group needs: keep it
             settings = dataclasses.replace(self._settings, dp_size=dp_size,
                                            total_steps=self._last_step - first_step + 1)
         self._begin(settings, start, first_step)
