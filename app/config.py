@@ -127,23 +127,41 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    num_workers: int = 2
-    """Ray Train workers = DP x CP ranks."""
+    num_workers: int | tuple[int, int] = 2
+    """Ray Train workers = DP x CP ranks; [min, max] (both multiples of cp_size) makes the run elastic."""
     cp_size: int = 1
     """Context-parallel degree N; dp_size = num_workers / cp_size."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto (nccl with GPUs, gloo without) | gloo | nccl."""
+    resize_check_s: float = 60.0
+    """Elastic runs: how often Ray Train checks whether more workers fit (its resize monitor interval)."""
 
     def __post_init__(self) -> None:
-        _require(self.cp_size >= 1 and self.num_workers >= 1,
-                 "parallel.num_workers and parallel.cp_size must be >= 1")
-        _require(self.num_workers % self.cp_size == 0,
-                 f"parallel.num_workers={self.num_workers} is not divisible by parallel.cp_size="
-                 f"{self.cp_size}; change one so that num_workers = dp_size * cp_size")
+        low, high = self.worker_range
+        _require(self.cp_size >= 1 and low >= 1, "parallel.num_workers and parallel.cp_size must be >= 1")
+        _require(low <= high, f"parallel.num_workers=[{low}, {high}]: min must be <= max")
+        for count in dict.fromkeys((low, high)):
+            _require(count % self.cp_size == 0,
+                     f"parallel.num_workers={count} is not divisible by parallel.cp_size={self.cp_size}; "
+                     "change one so that num_workers = dp_size * cp_size")
+        _require(self.resize_check_s >= 0, f"parallel.resize_check_s must be >= 0, got {self.resize_check_s}")
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        """(min, max) workers; equal for a fixed-size run."""
+        if isinstance(self.num_workers, int):
+            return self.num_workers, self.num_workers
+        return self.num_workers[0], self.num_workers[1]
+
+    @property
+    def elastic(self) -> bool:
+        low, high = self.worker_range
+        return low != high
 
     @property
     def dp_size(self) -> int:
-        return self.num_workers // self.cp_size
+        """DP size at the largest worker count (what the plan command and batch-size checks assume)."""
+        return self.worker_range[1] // self.cp_size
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +178,8 @@ class SchedulingConfig:
     """How many steps the planner actor plans ahead of the workers."""
     seed: int = 0
     """Seed for policies with randomness (sorted batching's group order)."""
+    planner_timeout_s: float = 600.0
+    """A worker waiting longer than this for its next step's plan stops with the planner's own error."""
 
     def __post_init__(self) -> None:
         from scheduling import POLICIES  # the policy registry is the one list of names
@@ -170,6 +190,7 @@ class SchedulingConfig:
         _require(self.global_batch_size >= 1, "scheduling.global_batch_size must be >= 1")
         _require(self.static_cp_micro_batch >= 1, "scheduling.static_cp_micro_batch must be >= 1")
         _require(self.prefetch >= 1, "scheduling.prefetch must be >= 1")
+        _require(self.planner_timeout_s > 0, "scheduling.planner_timeout_s must be > 0 seconds")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,6 +224,10 @@ class TrainConfig:
     """Newest checkpoints kept in the run directory (0: keep every one)."""
     allow_config_change: bool = False
     """Resume a run although a key that changes its math (model, data, batch, optimizer) differs."""
+    max_failures: int = 0
+    """Worker-group failures Ray Train recovers from (restart from the newest checkpoint); -1: no limit."""
+    collective_timeout_s: float = 600.0
+    """A collective that waits longer (a dead or hung peer) fails the step instead of hanging."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0 and self.epochs >= 1, "train.steps must be >= 0 and train.epochs >= 1")
@@ -212,6 +237,8 @@ class TrainConfig:
         _require(self.zero_stage in (0, 1, 2), "train.zero_stage must be 0, 1 or 2 (built and tested: 2)")
         _require(self.loss_chunk_tokens >= 1, "train.loss_chunk_tokens must be >= 1")
         _require(self.log_every >= 1, "train.log_every must be >= 1")
+        _require(self.max_failures >= -1, "train.max_failures must be >= 0 (or -1: no limit)")
+        _require(self.collective_timeout_s > 0, "train.collective_timeout_s must be > 0 seconds")
         _require(self.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0 (0: keep every one)")
 
 
@@ -224,10 +251,18 @@ class ResourcesConfig:
     planner_cpus: float = 0
     data_cpus: float = 0.5
     """CPUs per Ray Data tokenizer actor."""
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each train worker also reserves, e.g. {train_slot: 1} to keep train workers on
+    the nodes that declare that resource (and to count, for an elastic run, how many such nodes exist)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            _require(getattr(self, f.name) >= 0, f"resources.{f.name} must be >= 0")
+            if f.name != "worker_resources":
+                _require(getattr(self, f.name) >= 0, f"resources.{f.name} must be >= 0")
+        for name, amount in self.worker_resources.items():
+            _require(amount > 0 and name not in ("CPU", "GPU"),
+                     f"resources.worker_resources.{name}={amount}: custom resources only, each > 0 (CPU and "
+                     "GPU are resources.cpus_per_worker / gpus_per_worker)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -303,7 +338,16 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 return _coerce(value, option, where)
             except ConfigError:
                 continue
-        raise ConfigError(f"{where}: {value!r} is not a {annotation}")
+        expected = " or ".join(_describe(option) for option in typing.get_args(annotation))
+        raise ConfigError(f"{where}: expected {expected}, got {value!r}")
+    if origin is tuple:
+        return _coerce_tuple(value, typing.get_args(annotation), where)
+    if origin is dict:
+        key_type, value_type = typing.get_args(annotation)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {_coerce(k, key_type, f"{where} key"): _coerce(v, value_type, f"{where}.{k}")
+                for k, v in value.items()}
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value in choices:
@@ -322,6 +366,20 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: expected {annotation.__name__}, got {value!r}")
     return value
+
+
+def _describe(annotation: Any) -> str:
+    if typing.get_origin(annotation) is tuple:
+        return f"a list of {len(typing.get_args(annotation))} values"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _coerce_tuple(value: Any, items: tuple[Any, ...], where: str) -> tuple[Any, ...]:
+    """A YAML list of exactly len(items) values, each checked against its item annotation."""
+    if not isinstance(value, list | tuple) or len(value) != len(items):
+        raise ConfigError(f"{where}: expected a list of {len(items)} values, got {value!r}")
+    pairs = enumerate(zip(value, items, strict=True))
+    return tuple(_coerce(v, item, f"{where}[{i}]") for i, (v, item) in pairs)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

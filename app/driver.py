@@ -15,9 +15,12 @@ a fraction, so an embedded Ray declares more logical CPUs than cores (cores + 2 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import secrets
 import shutil
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,6 +56,15 @@ class TrainSummary:
         result = asdict(self)
         del result["history"]
         return result
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C on the driver: Ray is shut down; a re-run resumes from the newest complete checkpoint."""
+
+    def __init__(self, name: str, run_dir: Path) -> None:
+        super().__init__(name)
+        self.name = name
+        self.run_dir = run_dir
 
 
 @contextlib.contextmanager
@@ -126,7 +138,7 @@ def _total_steps(config: SkrullConfig, usable_rows: int) -> int:
     return steps
 
 
-def _planner(config: SkrullConfig, dataset: Any, total_steps: int) -> Any:
+def _planner(config: SkrullConfig, dataset: Any, total_steps: int, name: str) -> Any:
     from app.hardware import cost_model_from_config
     from scheduling.actor import PlannerActor, PlannerSettings
 
@@ -136,8 +148,22 @@ def _planner(config: SkrullConfig, dataset: Any, total_steps: int) -> Any:
         global_batch_size=sched.global_batch_size, total_steps=total_steps, prefetch=sched.prefetch,
         seed=sched.seed, static_cp_micro_batch=sched.static_cp_micro_batch,
     )
-    actor = PlannerActor.options(num_cpus=config.resources.planner_cpus)
+    # Ray restarts a dead planner actor (a fresh one, planning from the run's start); the workers' own
+    # restart then moves it to the checkpoint's cursor. Calls are never retried: a payload call answered
+    # by a planner that restarted from the wrong place would hand out the wrong data.
+    actor = PlannerActor.options(num_cpus=config.resources.planner_cpus, max_restarts=-1, max_task_retries=0,
+                                 scheduling_strategy=_on_this_node(),
+                                 name=f"skrull-planner-{name}-{secrets.token_hex(3)}")  # for operators
     return actor.remote(dataset, settings, cost_model_from_config(config.model, config.hardware))
+
+
+def _on_this_node() -> Any:
+    """Pin a driver-side actor (planner, progress monitor) to the driver's node: losing a worker node
+    must not take them along (their state is the run's, not a worker's)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def _worker_settings(config: SkrullConfig, planner: Any, total_steps: int, run_dir: str) -> Any:
@@ -151,32 +177,37 @@ def _worker_settings(config: SkrullConfig, planner: Any, total_steps: int, run_d
         deepspeed=deepspeed_config(train, dtype=config.model.dtype, on_gpu=_use_gpu(config)),
         cp_size=config.parallel.cp_size, total_steps=total_steps, loss_chunk_tokens=train.loss_chunk_tokens,
         checkpoint_every=train.checkpoint_every, log_every=train.log_every, run_dir=run_dir,
-        planner=planner, seed=train.seed,
+        planner=planner, seed=train.seed, collective_timeout_s=train.collective_timeout_s,
+        planner_timeout_s=config.scheduling.planner_timeout_s,
     )
 
 
 def _trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any) -> Any:
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from app.monitor import ProgressCallback
     from workers.train_loop import train_loop_per_worker
 
-    res = config.resources
-    backend = config.parallel.backend
+    res, par = config.resources, config.parallel
+    backend = par.backend
     if backend == "auto":
         backend = "nccl" if _use_gpu(config) else "gloo"
     per_worker = {"CPU": res.cpus_per_worker} | ({"GPU": res.gpus_per_worker} if _use_gpu(config) else {})
+    per_worker |= res.worker_resources
     keep = CheckpointConfig(num_to_keep=config.train.keep_checkpoints or None)  # None: Ray keeps every one
+    workers = par.worker_range if par.elastic else par.worker_range[0]  # (min, max): Ray Train's elastic
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"settings": settings},
-        torch_config=TorchConfig(backend=backend),
-        scaling_config=ScalingConfig(num_workers=config.parallel.num_workers, use_gpu=_use_gpu(config),
-                                     resources_per_worker=per_worker),
+        # The world group's timeout; the CP groups get the same one in ParallelGroups.create.
+        torch_config=TorchConfig(backend=backend, timeout_s=math.ceil(config.train.collective_timeout_s)),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=_use_gpu(config),
+                                     resources_per_worker=per_worker,
+                                     elastic_resize_monitor_interval_s=par.resize_check_s),
         run_config=RunConfig(name=name, storage_path=str(os.path.abspath(config.run.storage_path)),
-                             callbacks=[ProgressCallback(monitor)],
-                             checkpoint_config=keep),
+                             callbacks=[ProgressCallback(monitor)], checkpoint_config=keep,
+                             failure_config=FailureConfig(max_failures=config.train.max_failures)),
     )
 
 
@@ -204,6 +235,8 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
         if not existed:  # rejected before any worker started: leave nothing half-written behind
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
+    except KeyboardInterrupt as err:  # Ray (embedded: every process of it) is already shut down here
+        raise RunInterrupted(name, run_dir) from err
     except BaseException:
         if quiet:  # the descriptors are restored: the terminal gets this line, then the error itself
             print(f"full log: {log}", file=sys.stderr, flush=True)
@@ -247,13 +280,38 @@ def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out:
         print(scan.summary(), file=out, flush=True)
     check_epoch_fits(config, len(scan.lengths))
     total_steps = _total_steps(config, len(scan.lengths))
-    planner = _planner(config, dataset, total_steps)
-    monitor = RunMonitor.remote()
+    planner = _planner(config, dataset, total_steps, name)
+    monitor = RunMonitor.options(scheduling_strategy=_on_this_node()).remote()
     settings = _worker_settings(config, planner, total_steps, str(run_dir))
     trainer = _trainer(config, settings, name, monitor)
     with ProgressBar(monitor, total_steps, enabled=progress, file=out) as bar:
-        result = trainer.fit()
+        result = _fit_interruptibly(trainer)
     if not bar.history:
         raise RuntimeError(f"training reported no step; see the log in {run_dir / 'logs'}")
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
     return bar.history, checkpoint
+
+
+def _fit_interruptibly(trainer: Any) -> Any:
+    """trainer.fit() on a helper thread, so that Ctrl-C reaches the main thread as KeyboardInterrupt.
+
+    Called on the main thread, Ray Train's fit installs its own SIGINT handler (a graceful abort after which
+    fit raises an error and the process exits 1, and the handler stays installed); off the main thread it
+    does not, and Ctrl-C stays the driver's: Ray is shut down (every process of an embedded one), the
+    newest complete checkpoint stays as it is, and `train` prints the command that resumes the run.
+    """
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=fit, name="skrull-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)  # a timed join lets the main thread take KeyboardInterrupt
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]

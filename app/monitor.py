@@ -68,6 +68,22 @@ class ProgressBar:
     def _drain(self) -> None:
         new = ray.get(self._monitor.since.remote(len(self.history)))
         for metrics in new:
+            previous = self.history[-1] if self.history else None
             self.history.append(metrics)
-            self._bar.update(1)
+            if previous is not None and metrics.get("session") != previous.get("session"):
+                self._bar.write(restart_line(previous, metrics))
+            self._bar.n = int(metrics["step"])  # a restarted group re-trains steps after its checkpoint
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+
+
+def _shape(metrics: dict[str, Any]) -> str:
+    spares = int(metrics.get("spare_workers", 0))
+    return f"DP {metrics['dp_size']} x CP {metrics['cp_size']}" + (f" (+{spares} spare)" if spares else "")
+
+
+def restart_line(previous: dict[str, Any], metrics: dict[str, Any]) -> str:
+    """One line for the terminal when the worker group restarted (a failure or an elastic resize)."""
+    before, after = _shape(previous), _shape(metrics)
+    change = f"resized {before} -> {after}" if before != after else f"restarted ({after})"
+    return (f"worker group {change} at step {previous['step']}: resumed from the checkpoint of step "
+            f"{metrics['resumed_from_step']}")

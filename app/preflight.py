@@ -134,11 +134,12 @@ def preflight(config: SkrullConfig) -> None:
 
 
 def required_resources(config: SkrullConfig) -> dict[str, float]:
-    """What the run reserves at once: every train worker, the planner and one Ray Data actor."""
-    res, workers = config.resources, config.parallel.num_workers
+    """What a run needs to start: its (minimum) train workers, the planner and one Ray Data actor."""
+    res, workers = config.resources, config.parallel.worker_range[0]
     need = {"CPU": workers * res.cpus_per_worker + res.planner_cpus + res.data_cpus}
     if res.gpus_per_worker:
         need["GPU"] = workers * res.gpus_per_worker
+    need |= {name: workers * amount for name, amount in res.worker_resources.items()}
     return need
 
 

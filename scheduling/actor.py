@@ -26,7 +26,14 @@ import numpy as np
 import ray
 
 from scheduling import CostModel, plan_step
-from scheduling.payload import USABLE_STATUSES, Cursor, RankPayload, Sample, build_rank_payloads
+from scheduling.payload import (
+    USABLE_STATUSES,
+    Cursor,
+    RankPayload,
+    Sample,
+    build_rank_payloads,
+    spare_payload,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +47,8 @@ class PlannerSettings:
     prefetch: int
     seed: int = 0
     static_cp_micro_batch: int = 1
+    spares: int = 0
+    """Worker ranks beyond dp_size * cp_size (workers/distributed.py): each fetches an empty payload."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.global_batch_size < self.dp_size or self.prefetch < 1:
@@ -74,9 +83,15 @@ class PlannerActor:
         self._generation = 0
         self._session: str | None = None
         self._begin(settings, start or Cursor(epoch=0, rows=0), first_step)
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            # Ray restarted this actor after a crash: it does not know where the run stands, so it hands
+            # out nothing until a (re)started worker group tells it the checkpoint's cursor (restart()).
+            self._fail(PlannerError("the planner actor was restarted after a crash; waiting for the worker "
+                                    "group to restart from its newest checkpoint"))
 
-    def restart(self, session: str, start: Cursor, first_step: int, dp_size: int) -> None:
-        """Plan again from `start` for step `first_step` on, for `dp_size` DP ranks (idempotent per session).
+    def restart(self, session: str, start: Cursor, first_step: int, dp_size: int, spares: int = 0) -> None:
+        """Plan again from `start` for step `first_step` on, for `dp_size` DP ranks and `spares` spare ranks
+        (idempotent per session).
 
         A (re)started worker group calls this with the cursor of the checkpoint it resumed from, so the
         stream continues exactly after the last sample that checkpoint consumed; payloads planned for the
@@ -86,10 +101,11 @@ class PlannerActor:
             if session == self._session:
                 return
             self._session = session
-            if (start, first_step, dp_size) == (self._start, self._first_step, self._settings.dp_size) \
-                    and self._consumed == first_step - 1:
+            shape = (self._settings.dp_size, self._settings.spares)
+            if (start, first_step, (dp_size, spares)) == (self._start, self._first_step, shape) \
+                    and self._consumed == first_step - 1 and self._error is None:
                 return  # what is planned so far is exactly what the new group needs: keep it
-            settings = dataclasses.replace(self._settings, dp_size=dp_size,
+            settings = dataclasses.replace(self._settings, dp_size=dp_size, spares=spares,
                                            total_steps=self._last_step - first_step + 1)
         self._begin(settings, start, first_step)
 
@@ -114,7 +130,8 @@ class PlannerActor:
         """Block until `step` is planned; return ([ref] of this rank's RankPayload, the planned step).
 
         A list keeps the payload a reference (the worker pulls it from the object store); the planned step
-        tells the worker how far ahead the planner is, without a second actor call.
+        tells the worker how far ahead the planner is, without a second actor call. A spare rank asks with
+        dp_rank -1 and its index as cp_rank.
         """
         with self._cond:
             self._cond.wait_for(lambda: step <= self._planned or self._error is not None)
@@ -123,7 +140,7 @@ class PlannerActor:
             ref = self._ready[step][dp_rank, cp_rank]
             fetched = self._fetched.setdefault(step, set())
             fetched.add((dp_rank, cp_rank))
-            if len(fetched) == self._settings.dp_size * self._settings.cp_size:
+            if len(fetched) == len(self._ready[step]):
                 # Every rank holds its ref now; dropping ours lets the object store free the step.
                 del self._ready[step], self._fetched[step]
                 self._consumed = max(self._consumed, step)
@@ -145,6 +162,13 @@ class PlannerActor:
             }
 
     # ---------------------------------------------------------------------------------------- planning
+    def _fail(self, error: BaseException) -> None:
+        """Stop planning this session; every waiting and later payload() call raises `error`."""
+        with self._cond:
+            self._generation += 1  # the planning thread stops at its next publish
+            self._error = error
+            self._cond.notify_all()
+
     def _run(self, generation: int) -> None:
         try:
             self._plan_all(generation)
@@ -212,6 +236,9 @@ class PlannerActor:
         payloads = build_rank_payloads(step_plan, batch, step=step, epoch=epoch, cursor=cursor,
                                        plan_ms=plan_ms)
         refs = {rank: ray.put(payload) for rank, payload in payloads.items()}
+        if s.spares:
+            spare = ray.put(spare_payload(payloads[0, 0], 0))
+            refs.update({(-1, index): spare for index in range(s.spares)})
         with self._cond:
             if generation != self._generation:
                 raise _Superseded
@@ -236,14 +263,37 @@ class Fetched:
 
 
 class PlannerClient:
-    """The worker's side of the planner actor: one blocking call per step, then the object-store pull."""
+    """The worker's side of the planner actor: one blocking call per step, then the object-store pull.
 
-    def __init__(self, planner: Any) -> None:
+    A worker never waits forever: after `timeout_s` (scheduling.planner_timeout_s) without its payload, or
+    as soon as the actor is found dead, it raises PlannerError carrying what the planner reported, which
+    ends this start of the worker group (Ray Train restarts it from the newest checkpoint when
+    train.max_failures allows, and the restart re-plans from that checkpoint's cursor).
+    """
+
+    def __init__(self, planner: Any, timeout_s: float | None = None) -> None:
         self._planner = planner
+        self._timeout_s = timeout_s
 
     def fetch(self, step: int, dp_rank: int, cp_rank: int) -> Fetched:
         started = time.perf_counter()
-        (ref,), planned = ray.get(self._planner.payload.remote(step, dp_rank, cp_rank))
+        try:
+            (ref,), planned = ray.get(self._planner.payload.remote(step, dp_rank, cp_rank),
+                                      timeout=self._timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            state = self._planner_state()
+            raise PlannerError(f"no plan for step {step} after scheduling.planner_timeout_s="
+                               f"{self._timeout_s:g}s; the planner reports: {state}") from None
+        except ray.exceptions.RayActorError as err:
+            raise PlannerError(f"the planner actor died before step {step} was handed out "
+                               f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
         payload = ray.get(ref)
         return Fetched(payload=payload, wait_s=time.perf_counter() - started, ahead_steps=planned - step)
 
+    def _planner_state(self) -> str:
+        try:
+            stats = ray.get(self._planner.stats.remote(), timeout=10)
+        except Exception as err:  # noqa: BLE001 - the state is only context for the error being raised
+            return f"no answer ({type(err).__name__})"
+        return (f"error={stats['error']}, planned_step={stats['planned_step']}, "
+                f"consumed_step={stats['consumed_step']}")

@@ -14,15 +14,18 @@ Pure: numpy only, so it is tested without Ray.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from scheduling.plans import DacpPlan
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from scheduling import DacpPlan, StepPlan
+    from scheduling import StepPlan
 
 IGNORE_INDEX = -100
 """Label of a token that carries no loss (the Hugging Face / PyTorch cross-entropy convention)."""
@@ -146,3 +149,15 @@ def build_rank_payloads(
                 sample_ids_by_dp_rank=sample_ids, cursor=cursor, plan_ms=plan_ms,
             )
     return payloads
+
+
+def spare_payload(payload: RankPayload, index: int) -> RankPayload:
+    """What a spare rank (workers/distributed.py) trains on: the step's facts with every micro-batch empty.
+
+    The micro-batch count stays, because ZeRO-2 needs every rank to run as many backward passes as the
+    others; each empty micro-batch becomes a no-target idle micro-batch on the worker (zero gradient). A
+    spare has no CP group, so its plans are over one rank.
+    """
+    empty = MicroBatchPayload(plan=DacpPlan(local=((),), distributed=()), input_ids={}, labels={})
+    return dataclasses.replace(payload, dp_rank=-1, cp_rank=index,
+                               micro_batches=(empty,) * len(payload.micro_batches))

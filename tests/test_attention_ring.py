@@ -84,7 +84,7 @@ def _groups_info(rank: int, world: int) -> dict:
 
     from workers.distributed import ParallelGroups
 
-    groups = ParallelGroups.create(2, world // 2)
+    groups = ParallelGroups.create(world // 2)
     # The CP group's ring communicator is built with the group (None when the CP group has one rank).
     comm = groups.attention.comm
     info = {"dp_rank": groups.dp_rank, "cp_rank": groups.cp_rank,
@@ -95,7 +95,7 @@ def _groups_info(rank: int, world: int) -> dict:
         dist.all_reduce(members, group=getattr(groups, name))
         info[name] = torch.nonzero(members).flatten().tolist()
     try:
-        ParallelGroups.create(3, world)
+        ParallelGroups.create(world + 1)
     except ValueError as err:
         info["error"] = str(err)
     return info
@@ -165,7 +165,7 @@ def _check_groups(world: int, infos: list) -> list[str]:
     got = [{k: v for k, v in info.items() if k != "error"} for info in infos]
     errors = [] if got == want else [f"ParallelGroups(2, {cp}): got {got}, want {want}"]
     if not all("parallel.num_workers" in info.get("error", "") for info in infos):
-        errors.append("ParallelGroups.create(3, world) raised no ValueError naming parallel.num_workers")
+        errors.append("ParallelGroups.create(world + 1) raised no ValueError naming parallel.num_workers")
     return errors
 
 

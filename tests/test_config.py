@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -31,16 +32,32 @@ def test_sections_are_frozen_and_keyword_only() -> None:
     ("parallel.backend=nccl", "parallel.backend=nccl needs GPUs"),
     ("model.attention_backend=flash", "model.attention_backend=flash runs on CUDA only"),
     ("scheduling.global_batch_size=1", "smaller than the DP size"),
+    ("parallel.num_workers=[2, 3]", "parallel.num_workers=3 is not divisible by parallel.cp_size=2"),
+    ("parallel.num_workers=[4, 2]", "parallel.num_workers=[4, 2]: min must be <= max"),
+    ("parallel.num_workers=[2]", "parallel.num_workers: expected int or a list of 2 values, got [2]"),
+    ("parallel.resize_check_s=-1", "parallel.resize_check_s must be >= 0"),
+    ("train.max_failures=-2", "train.max_failures must be >= 0 (or -1: no limit)"),
+    ("train.collective_timeout_s=0", "train.collective_timeout_s must be > 0"),
+    ("scheduling.planner_timeout_s=0", "scheduling.planner_timeout_s must be > 0"),
+    ("resources.worker_resources={GPU: 1}", "resources.worker_resources.GPU=1.0: custom resources only"),
+    ("resources.worker_resources={slot: x}", "resources.worker_resources.slot: expected float"),
 ])
 def test_every_section_checks_its_own_fields(override: str, message: str) -> None:
     overrides = [override, "parallel.cp_size=1"] if "global_batch_size" in override else [override]
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/tiny-cpu.yaml", overrides)
 
 
 def test_every_policy_of_the_registry_is_a_valid_config() -> None:
     for policy in POLICIES:
         assert load_config(None, [f"scheduling.policy={policy}"]).scheduling.policy == policy
+
+
+def test_an_elastic_worker_range_maps_to_min_max() -> None:
+    fixed = load_config("configs/tiny-cpu.yaml").parallel
+    assert fixed.worker_range == (2, 2) and not fixed.elastic
+    elastic = load_config("configs/tiny-cpu.yaml", ["parallel.num_workers=[2, 6]"]).parallel
+    assert elastic.num_workers == (2, 6) and elastic.elastic and elastic.dp_size == 3  # DP at the maximum
 
 
 def test_derived_values_and_defaults() -> None:

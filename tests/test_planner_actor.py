@@ -98,3 +98,29 @@ def test_the_planner_lead_rides_on_the_payload_fetch(local_ray) -> None:
     client = PlannerClient(planner)
     first = client.fetch(1, 0, 0)
     assert first.payload.step == 1 and 0 <= first.ahead_steps <= 2 and first.wait_s >= 0
+
+
+def test_spare_ranks_get_the_step_with_empty_micro_batches(local_ray) -> None:
+    planner = PlannerActor.remote(ray.data.from_items(_rows(40)), _settings(total_steps=2), COST)
+    ray.get(planner.restart.remote("group-2", Cursor(epoch=0, rows=0), 1, 1, 1))  # DP 1 x CP 2 + 1 spare
+    trained = [fetch_payload(planner, 1, 0, c) for c in range(2)]
+    spare = fetch_payload(planner, 1, -1, 0)
+    assert len(spare.micro_batches) == len(trained[0].micro_batches) > 0  # as many backwards as the others
+    assert all(mb.num_tokens == 0 for mb in spare.micro_batches)
+    assert spare.sample_ids_by_dp_rank == trained[0].sample_ids_by_dp_rank
+    assert ray.get(planner.stats.remote())["consumed_step"] == 1  # step 1 is freed once the spare has it
+
+
+def test_a_worker_waits_at_most_the_planner_timeout(local_ray) -> None:
+    planner = PlannerActor.remote(ray.data.from_items(_rows(40)), _settings(total_steps=3, prefetch=1), COST)
+    # Step 3 is never planned while nobody fetches step 1 (prefetch 1): the wait ends with a clear error.
+    with pytest.raises(PlannerError, match=r"no plan for step 3 after scheduling.planner_timeout_s=0.5s; "
+                                           r"the planner reports: error=None, planned_step=1"):
+        PlannerClient(planner, timeout_s=0.5).fetch(3, 0, 0)
+
+
+def test_a_dead_planner_is_reported_as_such(local_ray) -> None:
+    planner = PlannerActor.remote(ray.data.from_items(_rows(40)), _settings(), COST)
+    ray.kill(planner)
+    with pytest.raises(PlannerError, match="the planner actor died before step 1"):
+        PlannerClient(planner, timeout_s=30).fetch(1, 0, 0)

@@ -83,6 +83,7 @@ def test_bad_input_fails_before_any_worker_starts(local_ray, tmp_path: Path, ove
     assert not (tmp_path / "bad").exists()
 
 
+# Resuming (same and another worker count, failures, Ctrl-C): tests/test_resilience.py.
 @pytest.mark.parametrize("overrides, message", [
     (["scheduling.bucket_sise=10"], "unknown key 'bucket_sise'"),
     (["parallel.num_workers=3", "parallel.cp_size=2"], "not divisible by parallel.cp_size"),
@@ -90,23 +91,3 @@ def test_bad_input_fails_before_any_worker_starts(local_ray, tmp_path: Path, ove
 def test_bad_config_is_rejected_on_load(tmp_path: Path, overrides, message) -> None:
     with pytest.raises(ConfigError, match=message):
         _config(tmp_path, "bad", *overrides)
-
-
-def test_a_rerun_resumes_exactly_and_refuses_a_changed_optimizer(local_ray, tmp_path: Path) -> None:
-    full = train(_config(tmp_path, "full", "train.steps=4", "train.checkpoint_every=2"), progress=False)
-    assert full.resumed_from_step is None and full.restarts == 0
-
-    first = train(_config(tmp_path, "resumed", "train.steps=2"), progress=False)
-    assert [h["step"] for h in first.history] == [1, 2]
-    second = train(_config(tmp_path, "resumed", "train.steps=4"), progress=False)
-    assert second.resumed_from_step == 2 and second.restarts == 0
-    assert [h["step"] for h in second.history] == [3, 4]
-    # Model, optimizer, LR schedule and data cursor all come back: the resumed steps are the same steps.
-    assert second.losses == pytest.approx(full.losses[2:], rel=1e-4)
-    lines = [json.loads(line) for line in Path(second.run_dir, "samples.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2, 3, 4]
-    ids = [i for line in lines for i in line["sample_ids"]]
-    assert len(ids) == len(set(ids)) == 4 * BATCH  # one epoch of 40 holds all 32: none missing or twice
-
-    with pytest.raises(ConfigError, match=r"train.lr: 0.003 -> 0.001.*train.allow_config_change"):
-        train(_config(tmp_path, "resumed", "train.steps=6", "train.lr=0.001"), progress=False)

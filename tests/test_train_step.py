@@ -41,6 +41,9 @@ CASES = {
     "dp1_cp2_idle_rank": (1, 2, HAND_PLAN, False),
     "dp1_cp2_recompute": (1, 2, None, True),
 }
+# 3 workers with cp_size 2 (an elastic run offered a size that is not a multiple of CP): DP 1 x CP 2 train,
+# world rank 2 is a spare that runs only idle micro-batches; the gradient must be the same.
+SPARE_CASES = {"dp1_cp2_one_spare": (1, 2, None, False)}
 
 
 def _samples() -> list[Sample]:
@@ -79,10 +82,11 @@ def _reference_grads() -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, out_dir: str, cases: dict) -> None:
     import deepspeed
     import torch.distributed as dist
 
+    from scheduling.payload import spare_payload
     from workers.distributed import ParallelGroups
     from workers.models import build_model
     from workers.step import run_step
@@ -91,8 +95,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     samples = _samples()
-    for name, (dp, cp, plan, recompute) in CASES.items():
-        groups = ParallelGroups.create(dp, cp)
+    for name, (dp, cp, plan, recompute) in cases.items():
+        groups = ParallelGroups.create(cp)
+        assert (groups.dp_size, groups.spares) == (dp, world - dp * cp)
         plan = plan or plan_step("skrull", LENGTHS, dp_size=dp, cp_size=cp, bucket_size=40, cost=COST)
         payloads = build_rank_payloads(plan, samples, step=1, epoch=0, cursor=Cursor(epoch=0, rows=8),
                                        plan_ms=0.0)
@@ -101,8 +106,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         engine, *_ = deepspeed.initialize(model=model, config=_ds_config(),
                                           optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-        run_step(engine, payloads[groups.dp_rank, groups.cp_rank], groups, device=torch.device("cpu"),
-                 loss_chunk_tokens=16)
+        payload = (spare_payload(payloads[0, 0], 0) if groups.is_spare
+                   else payloads[groups.dp_rank, groups.cp_rank])
+        run_step(engine, payload, groups, device=torch.device("cpu"), loss_chunk_tokens=16)
         if rank == 0:
             grads = {n: (before[n] - p.detach()) / LR for n, p in engine.module.named_parameters()}
             torch.save(grads, Path(out_dir, f"{name}.pt"))
@@ -115,11 +121,12 @@ def distributed_grads(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from workers.tools.launch import free_port
 
     out_dir = tmp_path_factory.mktemp("step")
-    mp.spawn(_worker, args=(2, free_port(), str(out_dir)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(out_dir), CASES), nprocs=2, join=True)
+    mp.spawn(_worker, args=(3, free_port(), str(out_dir), SPARE_CASES), nprocs=3, join=True)
     return out_dir
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES) + list(SPARE_CASES))
 def test_one_step_equals_the_single_process_step(distributed_grads: Path, case: str) -> None:
     reference = _reference_grads()
     ours = torch.load(distributed_grads / f"{case}.pt")

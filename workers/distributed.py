@@ -1,23 +1,31 @@
-"""DP x CP process groups of one worker, from a named device mesh, handed to whatever communicates.
+"""DP x CP process groups of one worker, created explicitly, handed to whatever communicates.
 
 World ranks are laid out CP-contiguous (dp_size = 2, cp_size = 3), the row-major order of a
-("dp", "cp") mesh:
+("dp", "cp") grid:
 
-    world rank   0 1 2 | 3 4 5
-    dp_rank      0 0 0 | 1 1 1        CP groups: {0,1,2} {3,4,5}
-    cp_rank      0 1 2 | 0 1 2        (DP groups {0,3} {1,4} {2,5}: only DeepSpeed reduces over DP x CP)
+    world rank   0 1 2 | 3 4 5 | 6
+    dp_rank      0 0 0 | 1 1 1 | -        CP groups: {0,1,2} {3,4,5}
+    cp_rank      0 1 2 | 0 1 2 | -        rank 6: a spare (7 workers, cp_size 3)
 
-The CP group carries the ring of the DACP attention, so its communicator (inside `attention`) lives here,
-created once per worker with the group.
+Spare ranks. An elastic run (parallel.num_workers: [min, max]) trains on whatever worker count Ray Train
+offers, which need not be a multiple of cp_size. The largest multiple trains; the remaining `spares`
+ranks (fewer than cp_size, always the highest world ranks) hold no data: they stay in the world group as
+ZeRO-2 data-parallel replicas that contribute exactly zero gradient each micro-batch (docs/design.md §10),
+so the model's math is the same as on the trained ranks alone and every collective still has all ranks.
+
+The groups are made with `dist.new_group` rather than a DeviceMesh because a mesh must span the whole world
+(spares have no place in it) and because the CP groups must carry the run's collective timeout
+(`train.collective_timeout_s`) explicitly: a sub-group created without one gets torch's default. The CP
+group carries the ring of the DACP attention, so its communicator (inside `attention`) lives here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from workers.attention.runtime import AttentionRuntime
 
@@ -25,34 +33,55 @@ from workers.attention.runtime import AttentionRuntime
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelGroups:
     dp_rank: int
+    """This rank's DP index; -1 on a spare rank."""
     cp_rank: int
     dp_size: int
     cp_size: int
-    cp_group: dist.ProcessGroup
+    spares: int
+    """Ranks beyond dp_size * cp_size: in the world group, without data (see the module docstring)."""
+    cp_group: dist.ProcessGroup | None
+    """This rank's CP group; None on a spare rank."""
     world_group: dist.ProcessGroup
     attention: AttentionRuntime
     """The DACP attention's kernel and the CP group's ring communicator."""
 
     @property
-    def world_size(self) -> int:
+    def is_spare(self) -> bool:
+        return self.dp_rank < 0
+
+    @property
+    def trained_ranks(self) -> int:
         return self.dp_size * self.cp_size
 
+    @property
+    def world_size(self) -> int:
+        """Every rank, spares included: the ranks DeepSpeed averages gradients over."""
+        return self.trained_ranks + self.spares
+
+    @property
+    def shape(self) -> str:
+        """"DP 2 x CP 3 (+1 spare)": for logs."""
+        extra = f" (+{self.spares} spare)" if self.spares else ""
+        return f"DP {self.dp_size} x CP {self.cp_size}{extra}"
+
     @classmethod
-    def create(cls, dp_size: int, cp_size: int, *, device: torch.device | None = None,
-               attention_backend: str = "auto") -> ParallelGroups:
-        """Build the ("dp", "cp") mesh (collective: every rank calls it with the same shape)."""
+    def create(cls, cp_size: int, *, device: torch.device | None = None, attention_backend: str = "auto",
+               timeout: timedelta | None = None) -> ParallelGroups:
+        """Split the world into CP groups of `cp_size` (+ spares); collective: every rank calls it alike."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed must be initialized before ParallelGroups.create")
-        world = dist.get_world_size()
-        if dp_size < 1 or cp_size < 1 or dp_size * cp_size != world:
-            raise ValueError(f"dp_size={dp_size} x parallel.cp_size={cp_size} must equal the world size "
-                             f"{world}: set parallel.num_workers = dp_size * cp_size")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if cp_size < 1 or world < cp_size:
+            raise ValueError(f"{world} workers cannot hold one CP group of parallel.cp_size={cp_size}: "
+                             "set parallel.num_workers to a multiple of parallel.cp_size")
+        dp_size, spares = divmod(world, cp_size)
+        cp_groups = [dist.new_group(list(range(d * cp_size, (d + 1) * cp_size)), timeout=timeout)
+                     for d in range(dp_size)]  # every rank creates every group (new_group is collective)
         device = device or torch.device("cpu")
-        mesh = init_device_mesh(device.type, (dp_size, cp_size), mesh_dim_names=("dp", "cp"))
-        cp_group = mesh.get_group("cp")
-        return cls(dp_rank=mesh.get_local_rank("dp"), cp_rank=mesh.get_local_rank("cp"), dp_size=dp_size,
-                   cp_size=cp_size, cp_group=cp_group,
-                   # The mesh spans the whole default group (init_device_mesh requires it), so the world
-                   # group is named explicitly here rather than reached by a collective's default.
+        dp_rank = rank // cp_size if rank < dp_size * cp_size else -1
+        cp_group = cp_groups[dp_rank] if dp_rank >= 0 else None
+        return cls(dp_rank=dp_rank, cp_rank=rank % cp_size if dp_rank >= 0 else 0, dp_size=dp_size,
+                   cp_size=cp_size, spares=spares, cp_group=cp_group,
+                   # Named explicitly rather than reached through a collective's default argument.
                    world_group=dist.group.WORLD,
                    attention=AttentionRuntime.create(cp_group, device, attention_backend))

@@ -36,6 +36,8 @@ class MetricsWindow:
     """The steps since the last flush; `flush` reduces them and returns one metrics dict per step."""
 
     records: list[StepRecord] = field(default_factory=list)
+    spare: bool = False
+    """A spare rank (workers/distributed.py): its compute time is left out of step time and imbalance."""
 
     def add(self, fetched: Fetched, loss_sum: torch.Tensor, grad_norm: object, compute_s: float) -> None:
         norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, device=loss_sum.device)
@@ -48,8 +50,9 @@ class MetricsWindow:
         device = self.records[0].loss_sum.device
         loss_sums = torch.stack([r.loss_sum for r in self.records])
         dist.all_reduce(loss_sums, group=world_group)
-        timings = torch.tensor([[r.fetched.wait_s, r.compute_s] for r in self.records], dtype=torch.float64,
-                               device=device)
+        nan = float("nan")
+        timings = torch.tensor([[r.fetched.wait_s, nan if self.spare else r.compute_s] for r in self.records],
+                               dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(timings) for _ in range(dist.get_world_size(world_group))]
         dist.all_gather(gathered, timings, group=world_group)
         per_rank = torch.stack(gathered).cpu()  # [ranks, steps, (wait, compute)]
@@ -63,7 +66,8 @@ class MetricsWindow:
 def _step_metrics(record: StepRecord, loss_sum: float, wait_compute: torch.Tensor,
                   grad_norm: float) -> dict[str, float]:
     payload = record.fetched.payload
-    wait, compute = wait_compute[:, 0], wait_compute[:, 1]
+    trained = ~wait_compute[:, 1].isnan()  # spare ranks report NaN compute
+    wait, compute = wait_compute[trained, 0], wait_compute[trained, 1]
     step_s = float((wait + compute).max())
     return {
         "step": payload.step,

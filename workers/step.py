@@ -6,13 +6,14 @@ Loss normalization (docs/design.md §7). The loss of a global batch is
 
 Rank k contributes the CE sum over its own tokens, l_k, so L = sum_k l_k / G and dL/dθ = sum_k dl_k/dθ / G.
 DeepSpeed *averages* gradients over its data-parallel group, which is all W = DP x CP ranks (CP ranks are
-replicas holding different tokens), so each rank back-propagates l_k * W / G: the mean over W ranks then
+replicas holding different tokens; spare ranks count too), so each rank back-propagates l_k * W / G: the mean over W ranks then
 equals the sum, never divided per micro-batch, per rank or by accumulation steps.
 
 Equal backward passes. ZeRO-2 reduces gradients inside every backward, so every rank must run the same
 number of backwards in the same parameter order. The plan gives every DP rank the same micro-batch count;
 a CP rank with no token in a micro-batch (all sequences local to its peers) runs an *idle* micro-batch: one
-pad token with no target, whose loss is 0 but whose graph touches every parameter like a real one.
+pad token with no target, whose loss is 0 but whose graph touches every parameter like a real one. A spare
+rank (workers/distributed.py) runs only idle micro-batches, as many as the trained ranks run.
 
 Nothing here synchronizes the device except the end of the step on CUDA (so `compute_s` is the real time
 of the step, not of its kernel launches); the loss stays a device tensor until the metrics are reduced.
@@ -69,11 +70,12 @@ def run_step(
     scale = groups.world_size / max(payload.global_label_tokens, 1)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     count = len(payload.micro_batches)
+    cp_rank, cp_size = (0, 1) if groups.is_spare else (groups.cp_rank, groups.cp_size)
     for index, micro_batch in enumerate(payload.micro_batches):
         batch = build_rank_batch(micro_batch.plan, micro_batch.input_ids, micro_batch.labels,
-                                 cp_rank=groups.cp_rank, cp_size=groups.cp_size)
+                                 cp_rank=cp_rank, cp_size=cp_size)
         if batch.num_tokens == 0:
-            batch = idle_batch(groups.cp_rank, groups.cp_size)
+            batch = idle_batch(cp_rank, cp_size)
         batch = batch.to(device)
         engine.set_gradient_accumulation_boundary(index == count - 1)
         micro_loss = micro_batch_loss_sum(engine.module, batch, runtime=groups.attention,

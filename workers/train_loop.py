@@ -1,20 +1,24 @@
 """`train_loop_per_worker`: what every Ray Train worker runs.
 
-    get_context() ─▶ ParallelGroups (dp x cp mesh, attention runtime) ─▶ build_engine (ZeRO-2, generated JSON)
+    get_context() ─▶ ParallelGroups (dp x cp groups, attention runtime)
+        ─▶ planner restart from the checkpoint's cursor
+        ─▶ build_engine (ZeRO-2) + load the checkpoint (universal on a new world size)
     for step: PlannerClient.fetch ─▶ run_step (micro-batches, DACP attention) ─▶ metrics window
               every train.log_every steps (and on checkpoint steps): reduce the window ─▶ report
 
 `ray.train.report` is a barrier, so every rank reports on the same steps. Checkpoints are DeepSpeed
-checkpoints that every rank writes into its own temp dir, merged by Ray Train into one checkpoint of the run.
+checkpoints that every rank writes into its own temp dir, merged by Ray Train into one checkpoint of the run
+(layout and resume on another world size: workers/checkpoints.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +26,18 @@ import torch.distributed as dist
 
 from scheduling.actor import PlannerClient
 from scheduling.payload import Cursor, RankPayload
+from workers.checkpoints import (
+    CheckpointState,
+    convert_to_universal,
+    cut_samples,
+    resume_point,
+    universal_dir,
+)
 from workers.distributed import ParallelGroups
 from workers.engine import DeepSpeedConfig, build_engine
 from workers.metrics import MetricsWindow
 from workers.models import ModelSpec
 from workers.step import run_step
-
-STATE_FILE = "skrull_state.json"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +56,10 @@ class WorkerSettings:
     planner: Any
     """The PlannerActor handle."""
     seed: int = 0
+    collective_timeout_s: float = 1800.0
+    """train.collective_timeout_s: the CP groups' timeout (the world group's comes from TorchConfig)."""
+    planner_timeout_s: float | None = None
+    """scheduling.planner_timeout_s: longest wait for one step's payload."""
 
 
 def _append_samples(run_dir: str, payload: RankPayload) -> None:
@@ -58,7 +71,8 @@ def _append_samples(run_dir: str, payload: RankPayload) -> None:
                                   "sample_ids": list(ids)}) + "\n")
 
 
-def _report(window: list[dict[str, float]], engine: Any, payload: RankPayload, save: bool) -> None:
+def _report(window: list[dict[str, float]], engine: Any, payload: RankPayload, groups: ParallelGroups,
+            save: bool) -> None:
     """The one place that calls ray.train.report; with `save`, every rank writes its DeepSpeed shard.
 
     The reported metrics are the window's last step, plus every step of the window under "history"
@@ -71,70 +85,100 @@ def _report(window: list[dict[str, float]], engine: Any, payload: RankPayload, s
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory(prefix="skrull-ckpt-") as tmp:
-        tag = f"step{payload.step}"
-        state = {"step": payload.step, "epoch": payload.cursor.epoch, "rows": payload.cursor.rows, "tag": tag,
-                 "dp_size": len(payload.sample_ids_by_dp_rank)}
-        engine.save_checkpoint(tmp, tag=tag, client_state={"skrull": state})
+        state = CheckpointState(step=payload.step, epoch=payload.cursor.epoch, rows=payload.cursor.rows,
+                                tag=f"step{payload.step}", world_size=groups.world_size,
+                                dp_size=groups.dp_size, cp_size=groups.cp_size, spares=groups.spares)
+        engine.save_checkpoint(tmp, tag=state.tag, client_state={"skrull": asdict(state)})
         if dist.get_rank() == 0:
-            Path(tmp, STATE_FILE).write_text(json.dumps(state))
+            state.write(tmp)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
 
 
-def _resume_point(checkpoint: Any) -> dict[str, Any] | None:
-    """The skrull_state.json of Ray Train's newest complete checkpoint of this run, or None (fresh run)."""
-    if checkpoint is None:
-        return None
-    with checkpoint.as_directory() as directory:
-        return json.loads(Path(directory, STATE_FILE).read_text())
+def _start_group(settings: WorkerSettings, groups: ParallelGroups, resume: CheckpointState | None,
+                 session: str) -> None:
+    """World rank 0: log the shape, cut samples.jsonl back to the checkpoint, restart the planner from it."""
+    import ray
+
+    resumed = resume.step if resume else 0
+    if resume is None:
+        print(f"[skrull] worker group {groups.shape}: fresh start", flush=True)
+    else:
+        change = f"{resume.shape} -> {groups.shape}" if resume.shape != groups.shape else groups.shape
+        print(f"[skrull] worker group {change}: resuming after step {resumed}", flush=True)
+    if groups.spares:
+        print(f"[skrull] {groups.world_size} workers are not a multiple of parallel.cp_size="
+              f"{groups.cp_size}: {groups.trained_ranks} train, {groups.spares} spare rank(s) only hold "
+              "optimizer state (zero gradient)", flush=True)
+    cut_samples(settings.run_dir, resumed)
+    start = Cursor(epoch=resume.epoch, rows=resume.rows) if resume else Cursor(epoch=0, rows=0)
+    restart = settings.planner.restart.remote(session, start, resumed + 1, groups.dp_size, groups.spares)
+    ray.get(restart, timeout=settings.planner_timeout_s)
 
 
-def _cut_samples(run_dir: str, last_step: int) -> None:
-    """Keep only the samples.jsonl lines of steps the resumed model has trained (atomic replace)."""
-    path = Path(run_dir) / "samples.jsonl"
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+def _engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, checkpoint: Any,
+            resume: CheckpointState | None, local_rank: int) -> Any:
+    """Build the engine and load the checkpoint into it; another world size goes through universal."""
+    if resume is None:
+        return build_engine(settings.model, settings.deepspeed, device, settings.seed)
+    if resume.world_size == groups.world_size:
+        engine = build_engine(settings.model, settings.deepspeed, device, settings.seed)
+        with checkpoint.as_directory() as directory:
+            engine.load_checkpoint(directory, tag=resume.tag)
+        return engine
+    target = universal_dir(checkpoint.path, resume)
+    if local_rank == 0:  # one conversion per node; the others wait at the barrier
+        with checkpoint.as_directory() as directory:
+            convert_to_universal(directory, resume, target)
+    dist.barrier(group=groups.world_group)
+    universal: DeepSpeedConfig = {**settings.deepspeed, "checkpoint": {"load_universal": True}}
+    engine = build_engine(settings.model, universal, device, settings.seed)
+    engine.load_checkpoint(str(target), tag=f"{resume.tag}_universal")
+    dist.barrier(group=groups.world_group)
+    if local_rank == 0:
+        shutil.rmtree(target, ignore_errors=True)
+    return engine
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """One start of the worker group: resume from the newest checkpoint (if any), then train to the end.
 
-    Ray Train calls this again after a worker failure (train.max_failures) or on a re-run of the same run
-    name: each start re-plans the remaining steps from the checkpoint's data cursor, cuts samples.jsonl
-    back to the checkpoint, and loads model, optimizer and LR schedule from it.
+    Ray Train calls this again after a worker failure (train.max_failures), on an elastic resize, or on a
+    re-run of the same run name: each start re-plans the remaining steps from the checkpoint's data cursor
+    for this start's DP size, cuts samples.jsonl back to the checkpoint, and loads model, optimizer and LR
+    schedule from it (through a universal checkpoint when the world size changed).
     """
     import ray.train
     import ray.train.torch
 
     settings: WorkerSettings = loop_config["settings"]
     context = ray.train.get_context()
-    world_size, is_rank0 = context.get_world_size(), context.get_world_rank() == 0
-    if world_size % settings.cp_size:
-        raise ValueError(f"{world_size} workers are not divisible by parallel.cp_size={settings.cp_size}")
     device = ray.train.torch.get_device()
-    groups = ParallelGroups.create(world_size // settings.cp_size, settings.cp_size, device=device,
-                                   attention_backend=settings.model.attention_backend)
+    groups = ParallelGroups.create(settings.cp_size, device=device,
+                                   attention_backend=settings.model.attention_backend,
+                                   timeout=timedelta(seconds=settings.collective_timeout_s))
     checkpoint = ray.train.get_checkpoint()
-    resume = _resume_point(checkpoint)
-    resumed = resume["step"] if resume else 0
+    resume = resume_point(checkpoint)
     session = uuid.uuid4().hex  # only world rank 0's is used: it names this start of the worker group
+    is_rank0 = context.get_world_rank() == 0
     if is_rank0:
-        _cut_samples(settings.run_dir, resumed)
-        start = Cursor(epoch=resume["epoch"], rows=resume["rows"]) if resume else Cursor(epoch=0, rows=0)
-        ray.get(settings.planner.restart.remote(session, start, resumed + 1, groups.dp_size))
+        _start_group(settings, groups, resume, session)
     dist.barrier(group=groups.world_group)  # nobody fetches before the planner restarted
-    engine = build_engine(settings.model, settings.deepspeed, device, settings.seed)
-    if resume:
-        with checkpoint.as_directory() as directory:
-            engine.load_checkpoint(directory, tag=resume["tag"])
-    planner = PlannerClient(settings.planner)
-    window = MetricsWindow()
+    engine = _engine(settings, device, groups, checkpoint, resume, context.get_local_rank())
+    _train(settings, engine, groups, device, resumed=resume.step if resume else 0, session=session,
+           is_rank0=is_rank0)
+
+
+def _train(settings: WorkerSettings, engine: Any, groups: ParallelGroups, device: Any, *, resumed: int,
+           session: str, is_rank0: bool) -> None:
+    """Steps resumed+1 .. total_steps: fetch, step, log window, report (with a checkpoint when due)."""
+    planner = PlannerClient(settings.planner, timeout_s=settings.planner_timeout_s)
+    dp_rank, cp_rank = (-1, 0) if groups.is_spare else (groups.dp_rank, groups.cp_rank)
+    window = MetricsWindow(spare=groups.is_spare)
+    shape = {"world_size": groups.world_size, "dp_size": groups.dp_size, "cp_size": groups.cp_size,
+             "spare_workers": groups.spares, "resumed_from_step": resumed, "session": session}
     last = settings.total_steps
     for step in range(resumed + 1, last + 1):
-        fetched = planner.fetch(step, groups.dp_rank, groups.cp_rank)
+        fetched = planner.fetch(step, dp_rank, cp_rank)
         stats = run_step(engine, fetched.payload, groups, device=device,
                          loss_chunk_tokens=settings.loss_chunk_tokens)
         window.add(fetched, stats.loss_sum, engine.get_global_grad_norm(), stats.compute_s)
@@ -142,6 +186,5 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             _append_samples(settings.run_dir, fetched.payload)
         save = step == last or bool(settings.checkpoint_every and step % settings.checkpoint_every == 0)
         if save or step % settings.log_every == 0:
-            metrics = [m | {"resumed_from_step": resumed, "session": session}
-                       for m in window.flush(groups.world_group)]
-            _report(metrics, engine, fetched.payload, save=save)
+            metrics = [m | shape for m in window.flush(groups.world_group)]
+            _report(metrics, engine, fetched.payload, groups, save=save)

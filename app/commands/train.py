@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 
 from app.commands.common import add_config_arguments, add_json_argument, config_from_args
 
@@ -17,12 +19,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(by default it goes to <run_dir>/logs/driver.log)")
 
 
+def resume_command(args: argparse.Namespace, name: str) -> str:
+    """The command line that resumes run `name`: this one, with run.name pinned (it may be generated)."""
+    words = ["python", "-m", "app", "train", "--config", args.config]
+    kept = [override for override in args.overrides if not override.startswith("run.name=")]
+    words += [part for override in [*kept, f"run.name={name}"] for part in ("--set", override)]
+    words += [flag for flag, on in (("--json", args.json), ("--no-progress", args.no_progress),
+                                    ("--verbose", args.verbose)) if on]
+    return shlex.join(words)
+
+
 def run(args: argparse.Namespace) -> int:
-    from app.driver import train
+    from app.driver import RunInterrupted, train
 
     config = config_from_args(args)
     # With --json, stdout carries only the summary line; worker errors still surface as exceptions.
-    summary = train(config, progress=not args.no_progress and not args.json, quiet=not args.verbose)
+    try:
+        summary = train(config, progress=not args.no_progress and not args.json, quiet=not args.verbose)
+    except RunInterrupted as stop:
+        print(f"\ninterrupted: Ray is shut down; {stop.run_dir} keeps its newest complete checkpoint. "
+              f"Resume with:\n  {resume_command(args, stop.name)}", file=sys.stderr, flush=True)
+        return 130
     if args.json:
         print(json.dumps(summary.to_json_dict()))
     else:

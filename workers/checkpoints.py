@@ -1,0 +1,103 @@
+"""A run's checkpoints: DeepSpeed state + the data cursor, saved through Ray Train, loaded on any world size.
+
+    checkpoint_<time>/                  one Ray Train checkpoint (the newest *complete* one is resumed)
+      step<N>/                          DeepSpeed: model, ZeRO-2 optimizer partitions, LR schedule, step
+      latest
+      skrull_state.json                 {step, epoch, rows, tag, world_size, dp_size, cp_size, spares}
+
+Resume on the same world size loads the DeepSpeed checkpoint as saved. ZeRO-2 partitions the optimizer
+state over all W ranks, so a checkpoint saved by W ranks cannot be loaded by W' != W as it is: the node's
+first local rank converts it with DeepSpeed's own converter (`python -m deepspeed.checkpoint.ds_to_universal`,
+a "universal checkpoint": one file per parameter and optimizer state) into a node-local directory, and every
+rank loads that with `checkpoint.load_universal` set, which re-partitions the state for W' ranks
+(docs/design.md §10).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "skrull_state.json"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointState:
+    """What a checkpoint holds besides DeepSpeed's state: where training and the data stream stood."""
+
+    step: int
+    epoch: int
+    rows: int
+    tag: str
+    world_size: int
+    dp_size: int
+    cp_size: int
+    spares: int = 0
+
+    @property
+    def shape(self) -> str:
+        extra = f" (+{self.spares} spare)" if self.spares else ""
+        return f"DP {self.dp_size} x CP {self.cp_size}{extra}"
+
+    @classmethod
+    def read(cls, directory: str | Path) -> CheckpointState:
+        return cls(**json.loads(Path(directory, STATE_FILE).read_text()))
+
+    def write(self, directory: str | Path) -> None:
+        Path(directory, STATE_FILE).write_text(json.dumps(asdict(self)))
+
+
+def resume_point(checkpoint: Any) -> CheckpointState | None:
+    """The state of Ray Train's newest complete checkpoint of this run, or None (a fresh run)."""
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        return CheckpointState.read(directory)
+
+
+def cut_samples(run_dir: str, last_step: int) -> None:
+    """Keep only the samples.jsonl lines of steps the resumed model has trained (atomic replace)."""
+    path = Path(run_dir) / "samples.jsonl"
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def universal_dir(checkpoint_path: str, state: CheckpointState) -> Path:
+    """Node-local home of one checkpoint's universal conversion (the same path on every rank of a node)."""
+    key = hashlib.sha256(f"{checkpoint_path}:{state.tag}".encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir(), "skrull-universal", key)
+
+
+def convert_to_universal(checkpoint_dir: str | Path, state: CheckpointState, out: Path) -> None:
+    """Convert `checkpoint_dir/<tag>` into `out/<tag>_universal` with DeepSpeed's converter (atomically).
+
+    The converter runs in a subprocess because it is a command-line tool that starts its own process
+    pools; `--inject_missing_state` adds the version marker a plain (non-Megatron) engine does not save.
+    """
+    final = out / f"{state.tag}_universal"
+    if final.exists():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="converting-", dir=out))
+    command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+               "--input_folder", str(Path(checkpoint_dir, state.tag)), "--output_folder", str(staging / "u"),
+               "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise RuntimeError(f"converting checkpoint {state.tag} ({state.shape}) for a new world size failed:\n"
+                           f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
+    os.replace(staging / "u", final)
+    shutil.rmtree(staging, ignore_errors=True)
