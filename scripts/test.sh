@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check app scheduling workers tests
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=15 "$@"

@@ -64,6 +64,19 @@ def _trained_step(run_dir: Path) -> int:
         return 0  # not written yet, or caught mid-rewrite
 
 
+def _complete_checkpoint_step(run_dir: Path) -> int:
+    """The step of the newest checkpoint Ray Train has registered (a rerun resumes from it), or 0.
+
+    A checkpoint directory is complete once Ray Train's controller records it in its snapshot file; one
+    uploaded but not yet recorded when the driver stops is not chosen (a rerun starts before it).
+    """
+    try:
+        results = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
+    except (OSError, ValueError, KeyError):
+        return 0
+    return max((int(r["metrics"]["step"]) for r in results), default=0)
+
+
 class FaultInjector(threading.Thread):
     """Runs each (step, action) once the run has trained that step (after the previous action)."""
 
@@ -111,11 +124,30 @@ def _train_with_faults(tmp_path: Path, name: str, faults, *extra: str) -> TrainS
 
 
 @pytest.fixture(scope="module")
-def reference(local_ray, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    """The losses of the same 6 steps trained without interruption."""
-    summary = train(_config(tmp_path_factory.mktemp("reference"), "reference"), progress=False)
+def reference_run(local_ray, tmp_path_factory: pytest.TempPathFactory) -> TrainSummary:
+    """The same 6 steps trained without interruption (metrics reduced every 4 steps, checkpoints every 2)."""
+    config = _config(tmp_path_factory.mktemp("reference"), "reference", "train.log_every=4",
+                     "train.checkpoint_every=2")
+    return train(config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: TrainSummary) -> list[float]:
+    return reference_run.losses
+
+
+def test_an_uninterrupted_run_reports_every_step_and_keeps_two_checkpoints(reference_run) -> None:
+    summary = reference_run
     assert summary.resumed_from_step is None and summary.restarts == 0
-    return summary.losses
+    # Metrics reduced on steps 2, 4 and 6 (checkpoint steps) and 4 (log_every): every step reported once.
+    assert [h["step"] for h in summary.history] == list(range(1, STEPS + 1))
+    assert summary.loss_last < summary.loss_first - 0.5, summary.losses
+    assert {h["world_size"] for h in summary.history} == {2}
+    lines = Path(summary.run_dir, "samples.jsonl").read_text().splitlines()
+    assert {json.loads(line)["dp_rank"] for line in lines} == {0, 1}
+    _assert_samples_exact(summary.run_dir, STEPS)
+    # train.keep_checkpoints defaults to 2: of the three saved, the newest two remain.
+    assert len([p for p in Path(summary.run_dir).glob("checkpoint_*") if p.is_dir()]) == 2
 
 
 def test_resume_on_another_worker_count(reference, tmp_path: Path) -> None:
@@ -138,7 +170,7 @@ def test_a_killed_worker_and_a_hung_peer_recover_from_the_newest_checkpoint(refe
     started = time.monotonic()
     summary = _train_with_faults(
         tmp_path, "faults", [(2, _signal_a_worker(signal.SIGKILL)), (4, _signal_a_worker(signal.SIGSTOP))],
-        "train.max_failures=2", "train.collective_timeout_s=15")
+        "train.max_failures=2", "train.collective_timeout_s=8")
     assert summary.restarts == 2 and summary.steps == STEPS
     assert summary.losses == pytest.approx(reference, rel=1e-4)
     _assert_samples_exact(summary.run_dir, STEPS)
@@ -152,15 +184,15 @@ def test_a_killed_planner_is_restarted_from_the_checkpoint_cursor(reference, tmp
     _assert_samples_exact(summary.run_dir, STEPS)
 
 
-def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(reference, tmp_path: Path) -> None:
+def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own embedded Ray
     command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml", "--no-progress",
                *(part for o in _overrides(tmp_path, "", "train.checkpoint_every=1") for part in ("--set", o))]
     driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               start_new_session=True)
     deadline = time.monotonic() + 300
-    while not any(_trained_step(d) >= 2 for d in tmp_path.glob("skrull-*")) and time.monotonic() < deadline:
-        assert driver.poll() is None, driver.communicate()
+    while not any(_complete_checkpoint_step(d) >= 2 for d in tmp_path.glob("skrull-*")):
+        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
         time.sleep(0.2)
     ray_processes = psutil.Process(driver.pid).children(recursive=True)
     assert ray_processes, "the embedded Ray started no process"
@@ -177,5 +209,5 @@ def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(referen
                            timeout=400, check=False)
     assert rerun.returncode == 0, rerun.stderr.decode()[-3000:]
     summary = json.loads(rerun.stdout.decode().strip().splitlines()[-1])
-    assert summary["resumed_from_step"] >= 1 and summary["steps"] == STEPS - summary["resumed_from_step"]
+    assert summary["resumed_from_step"] >= 2 and summary["steps"] == STEPS - summary["resumed_from_step"]
     _assert_samples_exact(summary["run_dir"], STEPS)

@@ -59,18 +59,6 @@ def test_dp1_cp2_trains_and_static_cp_gives_the_same_losses(local_ray, tmp_path:
     assert static.losses == pytest.approx(skrull.losses, rel=1e-4)
 
 
-def test_dp2_cp1_trains_with_windowed_metrics_and_keeps_two_checkpoints(local_ray, tmp_path: Path) -> None:
-    # Metrics reduced every 3 steps and on the checkpoint steps 2, 4, ..., 10: every step still reported once.
-    summary = train(_config(tmp_path, "dp2", "parallel.cp_size=1", "train.log_every=3",
-                            "train.checkpoint_every=2"), progress=False)
-    assert [h["step"] for h in summary.history] == list(range(1, 11))
-    assert summary.loss_last < summary.loss_first - 0.5, summary.losses
-    lines = Path(summary.run_dir, "samples.jsonl").read_text().splitlines()
-    assert {json.loads(line)["dp_rank"] for line in lines} == {0, 1}
-    # train.keep_checkpoints defaults to 2: of the five saved, the newest two remain.
-    assert len([p for p in Path(summary.run_dir).glob("checkpoint_*") if p.is_dir()]) == 2
-
-
 @pytest.mark.parametrize("overrides, message", [
     (["data.source=path", "data.path=/nonexistent/data.parquet"], "data.path"),
     (["model.name_or_path=/nonexistent/model"], "model.name_or_path"),
