@@ -83,8 +83,26 @@ def _dotted(tree: dict[str, Any], key: str) -> Any:
     return tree.get(section, {}).get(field)
 
 
+def recorded_step(run_dir: Path) -> int:
+    """The step of the newest checkpoint Ray Train recorded for the run (what a rerun resumes), or 0.
+
+    Ray Train's controller records a checkpoint in this snapshot once every worker has reported it; a
+    checkpoint directory not recorded there (the driver stopped first) is never resumed from.
+    """
+    try:
+        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+        return max((int(r["metrics"]["step"]) for r in snapshot["checkpoint_results"]), default=0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def check_resume(config: SkrullConfig, run_dir: Path) -> None:
-    """One ConfigError listing every math key whose value differs from the checkpointed run's config."""
+    """A finished run is not rerun; one ConfigError lists every math key that differs from its config."""
+    done = recorded_step(run_dir)
+    if config.train.steps and done >= config.train.steps:
+        raise ConfigError(f"run {run_dir.name!r} already trained {done} steps (train.steps="
+                          f"{config.train.steps}); raise train.steps to train it further, or use another "
+                          "run.name")
     snapshot = run_dir / CONFIG_SNAPSHOT
     if not snapshot.exists() or config.train.allow_config_change:
         return

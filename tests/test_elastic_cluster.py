@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 from app.config import load_config  # noqa: E402
 from app.driver import TrainSummary, train  # noqa: E402
 
-NUM_SAMPLES, BATCH, STEPS = 40, 8, 25
+NUM_SAMPLES, BATCH, STEPS = 40, 8, 20
 SLOT = {"train_slot": 1}
 
 
@@ -105,5 +105,27 @@ def test_losing_and_regaining_a_node_shrinks_and_grows_the_worker_group(cluster,
         assert len(records) == len({r["dp_rank"] for r in records})  # one line per DP rank of that step
         for record in records:
             by_epoch.setdefault(record["epoch"], []).extend(record["sample_ids"])
-    for ids in by_epoch.values():  # 25 steps x 8 = 5 whole epochs of 40: each id once per epoch
+    for ids in by_epoch.values():  # 20 steps x 8 = 4 whole epochs of 40: each id once per epoch
         assert sorted(ids) == list(range(NUM_SAMPLES))
+
+
+def test_a_worker_count_that_is_not_a_multiple_of_cp_trains_with_a_spare(cluster, tmp_path: Path) -> None:
+    """Three train slots, cp_size 2, num_workers [2, 4]: Ray Train offers 3; DP 1 x CP 2 trains, one spare."""
+    while len(cluster.worker_nodes) < 3:
+        cluster.add_node(num_cpus=0, resources=SLOT)
+    cluster.wait_for_nodes()
+    _wait_for(lambda: ray.available_resources().get("train_slot", 0) == 3, "three free train slots", 60)
+    config = load_config("configs/tiny-cpu.yaml", [
+        f"run.storage_path={tmp_path}", "run.name=spare", f"data.num_samples={NUM_SAMPLES}",
+        "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", "train.steps=5",
+        "parallel.cp_size=2", "parallel.num_workers=[2, 4]", "resources.cpus_per_worker=0",
+        "resources.worker_resources={train_slot: 1}", "parallel.resize_check_s=1",
+    ])
+    summary = train(config, progress=False)
+    # Ray Train starts with what it sees free (3; or 2 if the third slot shows up late, then grows to 3).
+    assert (3, 1, 1) in {(h["world_size"], h["dp_size"], h["spare_workers"]) for h in summary.history}
+    assert summary.loss_last < summary.loss_first - 0.5, summary.losses
+    by_step = _steps(tmp_path / "spare")
+    assert sorted(by_step) == list(range(1, 6)) and all(len(r) == 1 for r in by_step.values())  # DP 1
+    ids = [i for records in by_step.values() for r in records for i in r["sample_ids"]]
+    assert sorted(ids) == list(range(NUM_SAMPLES))  # 5 steps x 8 = one epoch, each id once

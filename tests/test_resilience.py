@@ -28,6 +28,7 @@ psutil = pytest.importorskip("psutil")
 
 from app.config import ConfigError, load_config  # noqa: E402
 from app.driver import TrainSummary, train  # noqa: E402
+from app.preflight import recorded_step  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_SAMPLES, BATCH, STEPS = 40, 8, 6
@@ -64,30 +65,31 @@ def _trained_step(run_dir: Path) -> int:
         return 0  # not written yet, or caught mid-rewrite
 
 
-def _complete_checkpoint_step(run_dir: Path) -> int:
-    """The step of the newest checkpoint Ray Train has registered (a rerun resumes from it), or 0.
-
-    A checkpoint directory is complete once Ray Train's controller records it in its snapshot file; one
-    uploaded but not yet recorded when the driver stops is not chosen (a rerun starts before it).
-    """
+def _inode(path: Path) -> int:
     try:
-        results = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
-    except (OSError, ValueError, KeyError):
-        return 0
-    return max((int(r["metrics"]["step"]) for r in results), default=0)
+        return path.stat().st_ino
+    except OSError:
+        return -1
 
 
 class FaultInjector(threading.Thread):
-    """Runs each (step, action) once the run has trained that step (after the previous action)."""
+    """Runs each (step, action) once the run has trained that step, in order.
+
+    After the first action it also waits for the restarted worker group: its world rank 0 rewrites
+    samples.jsonl (a new file, os.replace) before training, so lines of the group that failed can never
+    trigger the next fault.
+    """
 
     def __init__(self, run_dir: Path, faults: list[tuple[int, Callable[[], None]]]) -> None:
         super().__init__(daemon=True)
         self.run_dir, self.faults, self.done, self.errors = run_dir, faults, [], []
 
     def run(self) -> None:
+        samples, previous = self.run_dir / "samples.jsonl", None
         for step, action in self.faults:
-            while _trained_step(self.run_dir) < step:
+            while _inode(samples) == previous or _trained_step(self.run_dir) < step:
                 time.sleep(0.2)
+            previous = _inode(samples)
             try:
                 action()
                 self.done.append(step)
@@ -163,6 +165,8 @@ def test_resume_on_another_worker_count(reference, tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"train.lr: 0.003 -> 0.001.*train.allow_config_change"):
         train(_config(tmp_path, "dp", "train.steps=8", "train.lr=0.001"), progress=False)
+    with pytest.raises(ConfigError, match=r"already trained 6 steps \(train.steps=6\); raise train.steps"):
+        train(_config(tmp_path, "dp"), progress=False)
 
 
 def test_a_killed_worker_and_a_hung_peer_recover_from_the_newest_checkpoint(reference, tmp_path) -> None:
@@ -191,7 +195,7 @@ def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(tmp_pat
     driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               start_new_session=True)
     deadline = time.monotonic() + 300
-    while not any(_complete_checkpoint_step(d) >= 2 for d in tmp_path.glob("skrull-*")):
+    while not any(recorded_step(d) >= 2 for d in tmp_path.glob("skrull-*")):
         assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
         time.sleep(0.2)
     ray_processes = psutil.Process(driver.pid).children(recursive=True)
@@ -211,3 +215,15 @@ def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(tmp_pat
     summary = json.loads(rerun.stdout.decode().strip().splitlines()[-1])
     assert summary["resumed_from_step"] >= 2 and summary["steps"] == STEPS - summary["resumed_from_step"]
     _assert_samples_exact(summary["run_dir"], STEPS)
+
+
+def test_a_restart_or_resize_is_one_line_with_both_shapes() -> None:
+    from app.monitor import restart_line
+
+    before = {"step": 7, "dp_size": 2, "cp_size": 2, "spare_workers": 0, "resumed_from_step": 0}
+    shrunk = {"step": 6, "dp_size": 1, "cp_size": 2, "spare_workers": 1, "resumed_from_step": 5}
+    assert restart_line(before, shrunk) == ("worker group resized DP 2 x CP 2 -> DP 1 x CP 2 (+1 spare) at "
+                                            "step 7: resumed from the checkpoint of step 5")
+    again = dict(before, resumed_from_step=6)
+    assert restart_line(before, again) == ("worker group restarted (DP 2 x CP 2) at step 7: resumed from the "
+                                           "checkpoint of step 6")
