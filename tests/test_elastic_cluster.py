@@ -31,6 +31,9 @@ def cluster() -> Iterator[object]:
     from ray.cluster_utils import Cluster
 
     previous = os.environ.pop("RAY_ADDRESS", None)
+    # Right after a node loss Ray Train's view of free resources can still count the lost node, so it may
+    # first try the old size and wait this long for it (default 60 s) before taking the size that fits.
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
     for _ in range(2):
         cluster.add_node(num_cpus=0, resources=SLOT)
@@ -40,6 +43,7 @@ def cluster() -> Iterator[object]:
     ray.shutdown()
     cluster.shutdown()
     os.environ.pop("RAY_ADDRESS", None)
+    os.environ.pop("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", None)
     if previous is not None:
         os.environ["RAY_ADDRESS"] = previous
 
