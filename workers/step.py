@@ -6,8 +6,8 @@ Loss normalization (docs/design.md §7). The loss of a global batch is
 
 Rank k contributes the CE sum over its own tokens, l_k, so L = sum_k l_k / G and dL/dθ = sum_k dl_k/dθ / G.
 DeepSpeed *averages* gradients over its data-parallel group, which is all W = DP x CP ranks (CP ranks are
-replicas holding different tokens; spare ranks count too), so each rank back-propagates l_k * W / G: the mean over W ranks then
-equals the sum, never divided per micro-batch, per rank or by accumulation steps.
+replicas holding different tokens; spare ranks count too), so each rank back-propagates l_k * W / G: the
+mean over W ranks then equals the sum, never divided per micro-batch, per rank or by accumulation steps.
 
 Equal backward passes. ZeRO-2 reduces gradients inside every backward, so every rank must run the same
 number of backwards in the same parameter order. The plan gives every DP rank the same micro-batch count;
