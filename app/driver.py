@@ -43,7 +43,7 @@ class TrainSummary:
     resumed_from_step: int | None
     """The checkpoint step this call resumed from (None: a fresh run)."""
     restarts: int
-    """Worker-group restarts during this call (after worker failures)."""
+    """Worker-group restarts during this call (worker failures, planner failures, elastic resizes)."""
     history: list[dict[str, float]]
     """Every step's reported metrics (loss, tokens_per_s, step_s, planner_wait_s, ...), in step order."""
 
@@ -166,7 +166,7 @@ def _on_this_node() -> Any:
     return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def _worker_settings(config: SkrullConfig, planner: Any, total_steps: int, run_dir: str) -> Any:
+def _worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_steps: int, run_dir: str) -> Any:
     from app.deepspeed_config import deepspeed_config
     from app.model_args import model_spec
     from workers.train_loop import WorkerSettings
@@ -177,7 +177,7 @@ def _worker_settings(config: SkrullConfig, planner: Any, total_steps: int, run_d
         deepspeed=deepspeed_config(train, dtype=config.model.dtype, on_gpu=_use_gpu(config)),
         cp_size=config.parallel.cp_size, total_steps=total_steps, loss_chunk_tokens=train.loss_chunk_tokens,
         checkpoint_every=train.checkpoint_every, log_every=train.log_every, run_dir=run_dir,
-        planner=planner, seed=train.seed, collective_timeout_s=train.collective_timeout_s,
+        planner=planner, monitor=monitor, seed=train.seed, collective_timeout_s=train.collective_timeout_s,
         planner_timeout_s=config.scheduling.planner_timeout_s,
     )
 
@@ -246,24 +246,27 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
 def _run(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, worker_logs: bool,
          out: TextIO) -> TrainSummary:
     with ray_session(config, worker_logs=worker_logs) as embedded:
-        reports, checkpoint = _fit(config, name, run_dir, progress=progress, out=out, embedded=embedded)
+        reports, checkpoint, starts = _fit(config, name, run_dir, progress=progress, out=out,
+                                           embedded=embedded)
     # A restarted worker group re-runs the steps after its checkpoint: the last report of a step counts.
     history = sorted({h["step"]: h for h in reports}.values(), key=lambda h: h["step"])
     total_time = sum(h["step_s"] for h in history)
-    sessions = list(dict.fromkeys(h["session"] for h in reports))
-    resumed = int(reports[0]["resumed_from_step"])
+    resumed = int(starts[0]["resumed_from_step"]) if starts else int(reports[0]["resumed_from_step"])
     return TrainSummary(
         steps=len(history), samples=sum(int(h["samples"]) for h in history),
         tokens=sum(int(h["tokens"]) for h in history), loss_first=history[0]["loss"],
         loss_last=history[-1]["loss"], tokens_per_s=sum(h["tokens"] for h in history) / max(total_time, 1e-9),
         checkpoint=checkpoint, run_dir=str(run_dir), resumed_from_step=resumed or None,
-        restarts=len(sessions) - 1, history=[dict(h) for h in history],
+        restarts=max(len(starts) - 1, 0), history=[dict(h) for h in history],
     )
 
 
 def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out: TextIO,
-         embedded: bool) -> tuple[list[dict[str, Any]], str | None]:
-    """Tokenize, scan, start the planner and the workers; (per-step metrics, final checkpoint path)."""
+         embedded: bool) -> tuple[list[dict[str, Any]], str | None, list[dict[str, Any]]]:
+    """Tokenize, scan, start the planner and the workers.
+
+    Returns (per-step metrics, final checkpoint path, the worker group's starts).
+    """
     import ray
 
     from app.data.pipeline import scan_dataset, tokenized_dataset
@@ -282,14 +285,30 @@ def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out:
     total_steps = _total_steps(config, len(scan.lengths))
     planner = _planner(config, dataset, total_steps, name)
     monitor = RunMonitor.options(scheduling_strategy=_on_this_node()).remote()
-    settings = _worker_settings(config, planner, total_steps, str(run_dir))
+    settings = _worker_settings(config, planner, monitor, total_steps, str(run_dir))
     trainer = _trainer(config, settings, name, monitor)
-    with ProgressBar(monitor, total_steps, enabled=progress, file=out) as bar:
+    # ray.train.report is a barrier of Ray Train's own (not torch's), without a timeout by default: a peer
+    # hung between two collectives would hang it. It reads its timeout from this variable, which Ray Train
+    # hands to its controller from the driver's environment.
+    timeout = {"RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(config.train.collective_timeout_s)}
+    with ProgressBar(monitor, total_steps, enabled=progress, file=out) as bar, _environment(timeout):
         result = _fit_interruptibly(trainer)
     if not bar.history:
         raise RuntimeError(f"training reported no step; see the log in {run_dir / 'logs'}")
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
-    return bar.history, checkpoint
+    return bar.history, checkpoint, ray.get(monitor.starts.remote())
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration (a value the user exported wins), then restore."""
+    added = {k: v for k, v in variables.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 def _fit_interruptibly(trainer: Any) -> Any:

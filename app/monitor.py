@@ -16,10 +16,19 @@ from ray.train import UserCallback
 
 @ray.remote(num_cpus=0)
 class RunMonitor:
-    """Keeps every reported step's metrics (rank 0's), in order."""
+    """Keeps every reported step's metrics (rank 0's), in order, and every start of the worker group."""
 
     def __init__(self) -> None:
         self._history: list[dict[str, Any]] = []
+        self._starts: list[dict[str, Any]] = []
+
+    def group_started(self, session: str, resumed_from_step: int) -> None:
+        """World rank 0 of each start of the worker group, before training (a group may die before its
+        first report, so restarts are counted here, not from the reports)."""
+        self._starts.append({"session": session, "resumed_from_step": resumed_from_step})
+
+    def starts(self) -> list[dict[str, Any]]:
+        return list(self._starts)
 
     def record(self, steps: list[dict[str, Any]]) -> None:
         self._history.extend(steps)

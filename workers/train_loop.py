@@ -55,6 +55,8 @@ class WorkerSettings:
     """<storage_path>/<name>: where samples.jsonl is written (by world rank 0)."""
     planner: Any
     """The PlannerActor handle."""
+    monitor: Any = None
+    """The driver's RunMonitor handle (told of every start of the worker group), or None."""
     seed: int = 0
     collective_timeout_s: float = 1800.0
     """train.collective_timeout_s: the CP groups' timeout (the world group's comes from TorchConfig)."""
@@ -109,6 +111,8 @@ def _start_group(settings: WorkerSettings, groups: ParallelGroups, resume: Check
         print(f"[skrull] {groups.world_size} workers are not a multiple of parallel.cp_size="
               f"{groups.cp_size}: {groups.trained_ranks} train, {groups.spares} spare rank(s) only hold "
               "optimizer state (zero gradient)", flush=True)
+    if settings.monitor is not None:
+        ray.get(settings.monitor.group_started.remote(session, resumed))
     cut_samples(settings.run_dir, resumed)
     start = Cursor(epoch=resume.epoch, rows=resume.rows) if resume else Cursor(epoch=0, rows=0)
     restart = settings.planner.restart.remote(session, start, resumed + 1, groups.dp_size, groups.spares)
