@@ -15,8 +15,10 @@ from app.config import ConfigError
 # command name -> (module under app.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "dry run: plan sampled global batches with every policy and compare modeled step times"),
-    "bench": ("bench", "benchmarks: `bench planner` (planning latency), `bench compute` (fit the "
-              "compute profile), `bench attention` (DACP overlap)"),
+    "bench": ("bench", "benchmarks: `bench train` (measured step time per policy, interleaved), "
+              "`bench planner` (planning latency), `bench compute` (the compute part of `profile`), "
+              "`bench attention` (DACP overlap)"),
+    "profile": ("profile", "measure this machine with the configured model and write a hardware profile"),
     "verify": ("verify", "parity check: one sharded DACP forward+backward vs the unsharded model"),
     "train": ("train", "train on Ray (embedded local Ray by default, or the cluster at RAY_ADDRESS)"),
     "data": ("data", "data tools: `data synth` writes a synthetic chat dataset"),

@@ -72,13 +72,14 @@ class ModelConfig:
     num_params: int = 0
     """Cost-model parameter count for the per-micro-batch gradient reduce-scatter (0: estimated)."""
     vocab_size: int = 0
-    """Vocabulary size for tiny presets (0: the tokenizer's size)."""
+    """Vocabulary size of a tiny preset and of the model cost formula's LM head (0: the tokenizer's size
+    for a tiny preset, the model config's otherwise)."""
     num_attention_heads: int = 0
     """Tiny presets only: attention heads (0: preset default)."""
     num_key_value_heads: int = 0
     """Tiny presets only: KV heads (0: preset default)."""
     intermediate_size: int = 0
-    """Tiny presets only: MLP width (0: preset default)."""
+    """MLP width: a tiny preset's, and the model cost formula's (0: preset default / the model config)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "kv_hidden_size", "num_layers", "num_params", "vocab_size",
@@ -180,6 +181,9 @@ class SchedulingConfig:
     """Seed for policies with randomness (sorted batching's group order)."""
     planner_timeout_s: float = 600.0
     """A worker waiting longer than this for its next step's plan stops with the planner's own error."""
+    cost_formula: Literal["paper", "model"] = "paper"
+    """FLOPs per sequence for the plan: the paper's formula, or the model's own matrices (GQA, gated MLP,
+    causal attention, LM head on label tokens); scheduling/cost.py."""
 
     def __post_init__(self) -> None:
         from scheduling import POLICIES  # the policy registry is the one list of names

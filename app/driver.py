@@ -5,7 +5,8 @@
         ─▶ TorchTrainer(train_loop_per_worker).fit() ─▶ TrainSummary
 
 The dataset is tokenized once per run: the scan and the planner's stream read the same materialized blocks
-(the object store spills them to disk when they outgrow memory).
+(the object store spills them to disk when they outgrow memory). `bench train` (app/bench_driver.py) runs
+the same pieces: prepared_dataset, planner_actor, worker_settings, make_trainer, fit_with_progress.
 
 Resources on a small machine: Ray Data's file-listing task needs one whole CPU even when every worker holds
 a fraction, so an embedded Ray declares more logical CPUs than cores (cores + 2 by default; docs/design.md
@@ -15,13 +16,14 @@ a fraction, so an embedded Ray declares more logical CPUs than cores (cores + 2 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import secrets
 import shutil
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -138,8 +140,9 @@ def _total_steps(config: SkrullConfig, usable_rows: int) -> int:
     return steps
 
 
-def _planner(config: SkrullConfig, dataset: Any, total_steps: int, name: str) -> Any:
-    from app.hardware import cost_model_from_config
+def planner_actor(config: SkrullConfig, dataset: Any, total_steps: int, name: str) -> Any:
+    """A PlannerActor for config.scheduling.policy over the materialized `dataset`, on the driver's node."""
+    from app.hardware import cost_model
     from scheduling.actor import PlannerActor, PlannerSettings
 
     sched, par = config.scheduling, config.parallel
@@ -152,12 +155,12 @@ def _planner(config: SkrullConfig, dataset: Any, total_steps: int, name: str) ->
     # restart then moves it to the checkpoint's cursor. Calls are never retried: a payload call answered
     # by a planner that restarted from the wrong place would hand out the wrong data.
     actor = PlannerActor.options(num_cpus=config.resources.planner_cpus, max_restarts=-1, max_task_retries=0,
-                                 scheduling_strategy=_on_this_node(),
+                                 scheduling_strategy=on_this_node(),
                                  name=f"skrull-planner-{name}-{secrets.token_hex(3)}")  # for operators
-    return actor.remote(dataset, settings, cost_model_from_config(config.model, config.hardware))
+    return actor.remote(dataset, settings, cost_model(config))
 
 
-def _on_this_node() -> Any:
+def on_this_node() -> Any:
     """Pin a driver-side actor (planner, progress monitor) to the driver's node: losing a worker node
     must not take them along (their state is the run's, not a worker's)."""
     import ray
@@ -166,7 +169,8 @@ def _on_this_node() -> Any:
     return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
 
-def _worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_steps: int, run_dir: str) -> Any:
+def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_steps: int, run_dir: str) -> Any:
+    """The workers' WorkerSettings (model, DeepSpeed JSON, timeouts) from the config tree."""
     from app.deepspeed_config import deepspeed_config
     from app.model_args import model_spec
     from workers.train_loop import WorkerSettings
@@ -182,7 +186,9 @@ def _worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_ste
     )
 
 
-def _trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any) -> Any:
+def make_trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any,
+                 loop: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    """The TorchTrainer of a run: `loop` (default train_loop_per_worker) gets {"settings": settings}."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -198,7 +204,7 @@ def _trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any) -> An
     keep = CheckpointConfig(num_to_keep=config.train.keep_checkpoints or None)  # None: Ray keeps every one
     workers = par.worker_range if par.elastic else par.worker_range[0]  # (min, max): Ray Train's elastic
     return TorchTrainer(
-        train_loop_per_worker,
+        loop or train_loop_per_worker,
         train_loop_config={"settings": settings},
         # The world group's timeout; the CP groups get the same one in ParallelGroups.create.
         torch_config=TorchConfig(backend=backend, timeout_s=math.ceil(config.train.collective_timeout_s)),
@@ -218,25 +224,39 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     quiet: everything the libraries print goes to <run_dir>/logs/driver.log (app/console.py) and the
     terminal shows only the data summary, the progress bar and warnings; `out` is where those go.
     """
-    from app.console import captured_output
-
     preflight(config)
     name = run_name(config)
     run_dir = run_directory(config, name)
     existed = run_dir.exists()
     write_snapshot(config, run_dir)
+    try:
+        with run_console(run_dir, quiet=quiet, out=out, existed=existed) as terminal:
+            return _run(config, name, run_dir, progress=progress, worker_logs=worker_logs, out=terminal)
+    except KeyboardInterrupt as err:  # Ray (embedded: every process of it) is already shut down here
+        raise RunInterrupted(name, run_dir) from err
+
+
+@contextlib.contextmanager
+def run_console(run_dir: Path, *, quiet: bool, out: TextIO | None, existed: bool) -> Iterator[TextIO]:
+    """A driver command's terminal; with `quiet`, what the libraries print goes to <run_dir>/logs/driver.log.
+
+    Yields the stream for the command's own lines. A ConfigError removes `run_dir` unless it `existed`
+    (rejected before any worker started: nothing half-written stays behind); any other error except
+    Ctrl-C prints where the full log is, after the descriptors are restored.
+    """
+    from app.console import captured_output
+
     log = run_dir / "logs" / "driver.log"
     capture = captured_output(log) if quiet else contextlib.nullcontext(out)
     try:
         with capture as terminal:
-            return _run(config, name, run_dir, progress=progress, worker_logs=worker_logs,
-                        out=terminal or sys.stderr)
+            yield terminal or sys.stderr
     except ConfigError:
-        if not existed:  # rejected before any worker started: leave nothing half-written behind
+        if not existed:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    except KeyboardInterrupt as err:  # Ray (embedded: every process of it) is already shut down here
-        raise RunInterrupted(name, run_dir) from err
+    except KeyboardInterrupt:
+        raise
     except BaseException:
         if quiet:  # the descriptors are restored: the terminal gets this line, then the error itself
             print(f"full log: {log}", file=sys.stderr, flush=True)
@@ -269,11 +289,35 @@ def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out:
     """
     import ray
 
+    from app.monitor import RunMonitor
+
+    dataset, usable_rows = prepared_dataset(config, progress=progress, out=out, embedded=embedded)
+    total_steps = _total_steps(config, usable_rows)
+    planner = planner_actor(config, dataset, total_steps, name)
+    monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
+    settings = worker_settings(config, planner, monitor, total_steps, str(run_dir))
+    trainer = make_trainer(config, settings, name, monitor)
+    result, history = fit_with_progress(config, trainer, monitor, total_steps, progress=progress, out=out)
+    if not history:
+        raise RuntimeError(f"training reported no step; see the log in {run_dir / 'logs'}")
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    return history, checkpoint, ray.get(monitor.starts.remote())
+
+
+def prepared_dataset(config: SkrullConfig, *, progress: bool, out: TextIO, embedded: bool,
+                     planners: int = 1) -> tuple[Any, int]:
+    """Check the cluster fits, tokenize once (materialized), scan it; returns (dataset, usable rows).
+
+    `planners`: how many planner actors the run starts (each reserves resources.planner_cpus).
+    """
+    import ray
+
     from app.data.pipeline import scan_dataset, tokenized_dataset
-    from app.monitor import ProgressBar, RunMonitor
     from app.preflight import check_cluster_fits, check_epoch_fits
 
-    warning = check_cluster_fits(config, ray.cluster_resources(), embedded=embedded)
+    resources = dataclasses.replace(config.resources, planner_cpus=config.resources.planner_cpus * planners)
+    sized = dataclasses.replace(config, resources=resources)
+    warning = check_cluster_fits(sized, ray.cluster_resources(), embedded=embedded)
     if warning:
         print(warning, file=out, flush=True)
     dataset = tokenized_dataset(config.data, max_length=config.max_sequence_length,
@@ -282,21 +326,24 @@ def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out:
     if progress:
         print(scan.summary(), file=out, flush=True)
     check_epoch_fits(config, len(scan.lengths))
-    total_steps = _total_steps(config, len(scan.lengths))
-    planner = _planner(config, dataset, total_steps, name)
-    monitor = RunMonitor.options(scheduling_strategy=_on_this_node()).remote()
-    settings = _worker_settings(config, planner, monitor, total_steps, str(run_dir))
-    trainer = _trainer(config, settings, name, monitor)
+    return dataset, len(scan.lengths)
+
+
+def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_steps: int, *, progress: bool,
+                      out: TextIO) -> tuple[Any, list[dict[str, Any]]]:
+    """trainer.fit() (Ctrl-C stays the driver's) under a progress bar fed by `monitor`.
+
+    Returns (Ray Train's result, every reported record in order).
+    """
+    from app.monitor import ProgressBar
+
     # ray.train.report is a barrier of Ray Train's own (not torch's), without a timeout by default: a peer
     # hung between two collectives would hang it. It reads its timeout from this variable, which Ray Train
     # hands to its controller from the driver's environment.
     timeout = {"RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(config.train.collective_timeout_s)}
     with ProgressBar(monitor, total_steps, enabled=progress, file=out) as bar, _environment(timeout):
         result = _fit_interruptibly(trainer)
-    if not bar.history:
-        raise RuntimeError(f"training reported no step; see the log in {run_dir / 'logs'}")
-    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
-    return bar.history, checkpoint, ray.get(monitor.starts.remote())
+    return result, bar.history
 
 
 @contextlib.contextmanager

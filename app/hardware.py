@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
-from app.config import CONFIG_DIR, ConfigError, HardwareConfig, ModelConfig, load_yaml
+from app.config import CONFIG_DIR, ConfigError, HardwareConfig, ModelConfig, SkrullConfig, load_yaml
 from scheduling import CostModel, HardwareProfile
+from scheduling.cost import CostFormula
 from workers.presets import TINY_DEFAULTS, is_tiny_preset
 
 HARDWARE_DIR = CONFIG_DIR / "hardware"
@@ -28,20 +31,49 @@ def load_hardware_profile(name_or_path: str) -> HardwareProfile:
         raise ConfigError(f"hardware.profile {path}: {err}") from None
 
 
-def model_dims(model: ModelConfig) -> tuple[int, int, int]:
-    """(hidden_size, kv_hidden_size, num_layers): from the config when all are set, else from the model.
+@dataclass(frozen=True, slots=True)
+class ModelDims:
+    """The dimensions the cost model reads (scheduling/cost.py)."""
 
-    A tiny preset's dimensions come from its defaults (overridden by the config's tiny-preset fields), a
-    local directory's or hub id's from its HF config. They only steer the plan's balance: a wrong value
-    never changes the math of a step.
+    hidden_size: int
+    kv_hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    vocab_size: int
+
+
+def model_dims(model: ModelConfig, tokenizer: str = "qwen") -> ModelDims:
+    """The cost model's dimensions: from the config where set, else from the model.
+
+    A tiny preset's come from its defaults (overridden by the config's fields; its vocabulary is the
+    tokenizer's, as the workers build it), a local directory's or hub id's from its HF config. They only
+    steer the plan's balance: a wrong value never changes the math of a step.
     """
-    if model.hidden_size and model.kv_hidden_size and model.num_layers:
-        return model.hidden_size, model.kv_hidden_size, model.num_layers
+    given = (model.hidden_size, model.kv_hidden_size, model.num_layers)
+    if all(given) and model.intermediate_size and model.vocab_size:
+        return ModelDims(*given, model.intermediate_size, model.vocab_size)
     if is_tiny_preset(model.name_or_path):
-        hidden = model.hidden_size or TINY_DEFAULTS["hidden_size"]
-        heads = model.num_attention_heads or TINY_DEFAULTS["num_attention_heads"]
-        kv_heads = model.num_key_value_heads or TINY_DEFAULTS["num_key_value_heads"]
-        return hidden, kv_heads * (hidden // heads), model.num_layers or TINY_DEFAULTS["num_layers"]
+        return _tiny_dims(model, tokenizer)
+    if all(given):  # enough for the paper formula; the model formula falls back to 4h and Qwen's V
+        return ModelDims(*given, model.intermediate_size, model.vocab_size)
+    return _hf_dims(model)
+
+
+def _tiny_dims(model: ModelConfig, tokenizer: str) -> ModelDims:
+    hidden = model.hidden_size or TINY_DEFAULTS["hidden_size"]
+    heads = model.num_attention_heads or TINY_DEFAULTS["num_attention_heads"]
+    kv_heads = model.num_key_value_heads or TINY_DEFAULTS["num_key_value_heads"]
+    vocab = model.vocab_size
+    if not vocab:
+        from app.data.tokenizer import load_tokenizer
+
+        vocab = load_tokenizer(tokenizer).vocab_size
+    return ModelDims(hidden, model.kv_hidden_size or kv_heads * (hidden // heads),
+                     model.num_layers or TINY_DEFAULTS["num_layers"],
+                     model.intermediate_size or TINY_DEFAULTS["intermediate_size"], vocab)
+
+
+def _hf_dims(model: ModelConfig) -> ModelDims:
     from transformers import AutoConfig
 
     try:
@@ -49,17 +81,37 @@ def model_dims(model: ModelConfig) -> tuple[int, int, int]:
     except (OSError, ValueError) as err:
         raise ConfigError(
             f"the cost model needs the model's dimensions and model.name_or_path={model.name_or_path!r} has "
-            f"no readable config ({type(err).__name__}); set model.hidden_size, model.kv_hidden_size and "
-            "model.num_layers (e.g. Qwen2.5-0.5B: 896, 128, 24)"
+            f"no readable config ({type(err).__name__}); set model.hidden_size, model.kv_hidden_size, "
+            "model.num_layers, model.intermediate_size and model.vocab_size (e.g. Qwen2.5-0.5B: 896, 128, "
+            "24, 4864, 151936)"
         ) from None
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    return hf.hidden_size, kv_heads * head_dim, hf.num_hidden_layers
+    return ModelDims(model.hidden_size or hf.hidden_size, model.kv_hidden_size or kv_heads * head_dim,
+                     model.num_layers or hf.num_hidden_layers,
+                     model.intermediate_size or getattr(hf, "intermediate_size", 0),
+                     model.vocab_size or hf.vocab_size)
 
 
-def cost_model_from_config(model: ModelConfig, hardware: HardwareConfig) -> CostModel:
-    """The cost model of the model's dimensions (and parameter count) on hardware.profile."""
-    hidden, kv_hidden, layers = model_dims(model)
-    return CostModel.from_model_dims(hidden_size=hidden, kv_hidden_size=kv_hidden, num_layers=layers,
-                                     profile=load_hardware_profile(hardware.profile),
-                                     num_params=model.num_params)
+def cost_model_from_config(model: ModelConfig, hardware: HardwareConfig, *, formula: CostFormula = "paper",
+                           tokenizer: str = "qwen") -> CostModel:
+    """The cost model (scheduling.cost_formula) of the model's dimensions on hardware.profile.
+
+    The paper formula reads h, h_kv and L only, so it never loads the tokenizer for a tiny preset's
+    vocabulary (its parameter estimate keeps Qwen's vocabulary unless model.vocab_size is set).
+    """
+    if formula == "model":
+        dims = model_dims(model, tokenizer)
+    else:
+        dims = model_dims(dataclasses.replace(model, vocab_size=model.vocab_size or 1), tokenizer)
+        dims = dataclasses.replace(dims, intermediate_size=0, vocab_size=model.vocab_size)
+    return CostModel.from_model_dims(
+        hidden_size=dims.hidden_size, kv_hidden_size=dims.kv_hidden_size, num_layers=dims.num_layers,
+        profile=load_hardware_profile(hardware.profile), num_params=model.num_params, formula=formula,
+        intermediate_size=dims.intermediate_size, vocab_size=dims.vocab_size)
+
+
+def cost_model(config: SkrullConfig) -> CostModel:
+    """The run's cost model: scheduling.cost_formula over the model's dimensions and hardware.profile."""
+    return cost_model_from_config(config.model, config.hardware, formula=config.scheduling.cost_formula,
+                                  tokenizer=config.data.tokenizer)

@@ -34,6 +34,7 @@ from scheduling.payload import (
     build_rank_payloads,
     spare_payload,
 )
+from scheduling.simulate import simulate
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -227,14 +228,16 @@ class PlannerActor:
     def _publish(self, generation: int, s: PlannerSettings, step: int, epoch: int, batch: list[Sample],
                  cursor: Cursor) -> None:
         started = time.perf_counter()
+        lengths = [sample.num_tokens for sample in batch]
+        labels = [sample.num_label_tokens for sample in batch]
         step_plan = plan_step(
-            s.policy, [sample.num_tokens for sample in batch], dp_size=s.dp_size, cp_size=s.cp_size,
-            bucket_size=s.bucket_size, cost=self._cost, seed=s.seed + step,
-            static_cp_micro_batch=s.static_cp_micro_batch,
+            s.policy, lengths, dp_size=s.dp_size, cp_size=s.cp_size, bucket_size=s.bucket_size,
+            cost=self._cost, seed=s.seed + step, static_cp_micro_batch=s.static_cp_micro_batch, labels=labels,
         )
         plan_ms = (time.perf_counter() - started) * 1e3
+        estimate = simulate(step_plan, lengths, self._cost, labels=labels)
         payloads = build_rank_payloads(step_plan, batch, step=step, epoch=epoch, cursor=cursor,
-                                       plan_ms=plan_ms)
+                                       plan_ms=plan_ms, estimate=estimate)
         refs = {rank: ray.put(payload) for rank, payload in payloads.items()}
         if s.spares:
             spare = ray.put(spare_payload(payloads[0, 0], 0))

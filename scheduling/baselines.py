@@ -105,9 +105,9 @@ def _dacp_split(members: list[int], lengths: Sequence[int], flops: Sequence[floa
 
 
 def dacp_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-              cost: CostModel) -> StepPlan:
+              cost: CostModel, labels: Sequence[int] | None = None) -> StepPlan:
     """Ablation: data-order split, in-order packing to C*N tokens, DACP inside each micro-batch."""
-    flops = cost.flops(np.asarray(lengths, dtype=np.float64)).tolist()
+    flops = cost.sequence_flops(lengths, labels)
     sizes = [int(s) for s in lengths]
     per_rank = []
     for r in range(dp_size):

@@ -14,6 +14,10 @@ The fitted mfu is *effective*: it is relative to the cost model's FLOP formula, 
 embedding, the LM head and the loss, so it folds their time in, which is what the planner needs. The fit
 quality (largest relative residual) says whether T is linear in F on that device, which is the cost
 model's central assumption (the paper's a*F + b).
+
+The other halves of the profile are lines too, fitted by the same least squares (`fit_linear`):
+activation memory peak_bytes = slope * tokens + intercept (slope: bytes per token), and a link's
+alpha-beta model t = latency + bytes / bandwidth (`fit_link`, relative weights since sizes span decades).
 """
 
 from __future__ import annotations
@@ -40,14 +44,17 @@ class ComputeFit:
 
 
 def fit_compute(flops: Sequence[float], seconds: Sequence[float], profile: HardwareProfile) -> ComputeFit:
-    """Least-squares line through (forward FLOPs, seconds); see the module docstring for the mapping."""
+    """Least-squares line through (forward FLOPs, seconds), weighted by 1/seconds so that it minimizes the
+    *relative* residuals (cases span a decade of sizes: plain least squares would fit the largest and
+    leave the small ones, where the per-micro-batch constant shows, far off); see the module docstring
+    for the mapping to the profile."""
     f = np.asarray(flops, dtype=np.float64)
     t = np.asarray(seconds, dtype=np.float64)
     if f.shape != t.shape or f.size < 2 or np.ptp(f) <= 0:
         raise ValueError("fit_compute needs at least two measurements with different FLOPs")
     if np.any(t <= 0):
         raise ValueError("fit_compute needs positive times")
-    slope, intercept = np.polyfit(f, t, 1)
+    slope, intercept = np.polyfit(f, t, 1, w=1.0 / t)
     if slope <= 0:
         raise ValueError("measured time does not grow with FLOPs: use a larger --max-tokens "
                          "(or more --repeats)")
@@ -57,3 +64,102 @@ def fit_compute(flops: Sequence[float], seconds: Sequence[float], profile: Hardw
         mfu=float(profile.train_flops_factor / (slope * profile.peak_flops)),
         micro_batch_launch_s=float(max(intercept, 0.0)), max_rel_residual=float(residual.max()),
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinearFit:
+    """y = slope * x + intercept, fitted by `fit_linear`."""
+
+    slope: float
+    intercept: float
+    max_rel_residual: float
+    """max_i |fit(x_i) - y_i| / y_i."""
+
+    def predict(self, x: float) -> float:
+        return self.slope * x + self.intercept
+
+
+def _line(x: np.ndarray, y: np.ndarray, relative: bool) -> tuple[float, float]:
+    # Weighted least squares: polyfit minimizes sum_i (w_i * (fit(x_i) - y_i))^2, so w_i = 1 / y_i
+    # minimizes the squared *relative* residuals.
+    slope, intercept = np.polyfit(x, y, 1, w=1.0 / y if relative else None)
+    return float(slope), float(intercept)
+
+
+def fit_linear(x: Sequence[float], y: Sequence[float], *, relative: bool = False) -> LinearFit:
+    """Least-squares line y = slope * x + intercept through measured (x_i, y_i), y_i > 0.
+
+    relative=False minimizes sum_i (slope * x_i + intercept - y_i)^2 (ordinary least squares);
+    relative=True minimizes sum_i ((slope * x_i + intercept - y_i) / y_i)^2, which weights every point
+    alike when the y_i span orders of magnitude (small points would otherwise not count).
+    max_rel_residual = max_i |slope * x_i + intercept - y_i| / y_i says how linear the data are.
+    """
+    xs = np.asarray(x, dtype=np.float64)
+    ys = np.asarray(y, dtype=np.float64)
+    if xs.shape != ys.shape or xs.ndim != 1:
+        raise ValueError(f"fit_linear needs x and y of one same length, got shapes {xs.shape} and {ys.shape}")
+    if np.unique(xs).size < 2:
+        raise ValueError("fit_linear needs measurements at at least two distinct x values")
+    if not np.all(np.isfinite(xs)) or not np.all(np.isfinite(ys)) or np.any(ys <= 0):
+        raise ValueError(f"fit_linear needs finite x and positive y, got y = {ys.tolist()}")
+    slope, intercept = _line(xs, ys, relative)
+    residual = np.abs(slope * xs + intercept - ys) / ys
+    return LinearFit(slope=slope, intercept=intercept, max_rel_residual=float(residual.max()))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkFit:
+    """t(bytes) = latency_s + bytes / bandwidth, fitted by `fit_link`."""
+
+    latency_s: float
+    bandwidth: float
+    """Bytes per second."""
+    max_rel_residual: float
+    """max_i |t(bytes_i) - t_i| / t_i of this (latency-clipped) model."""
+
+    def predict(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
+    """Latency and bandwidth of a link from the times of transfers of different sizes.
+
+    The alpha-beta model t = latency + bytes / bandwidth is a line t = slope * bytes + intercept, fitted
+    with relative weights (message sizes span decades: ordinary least squares would fit the largest
+    transfers only and leave the latency to their noise), so
+
+        bandwidth = 1 / slope
+        latency_s = intercept, clipped at 0 (a negative intercept is noise around a latency too small
+                    for these sizes to resolve; max_rel_residual is that of the clipped model)
+    """
+    line = fit_linear(nbytes, seconds, relative=True)
+    if line.slope <= 0:
+        raise ValueError("measured transfer time does not grow with message size: measure larger sizes "
+                         "(or more repeats)")
+    latency = max(line.intercept, 0.0)
+    b = np.asarray(nbytes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    residual = np.abs(latency + b * line.slope - t) / t
+    return LinkFit(latency_s=latency, bandwidth=1.0 / line.slope, max_rel_residual=float(residual.max()))
+
+
+def fit_two_regime(nbytes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
+    """Latency and bandwidth of the cost model's own ring step form, t = max(latency, bytes / bandwidth).
+
+    `CostModel.t_comm` charges each ring step the larger of a fixed latency and the transfer time (the
+    paper's two-regime T_comm), so the profile fits that form rather than the alpha-beta sum: every pair
+    (latency = t_j, bandwidth = bytes_i / t_i) of measured points is a candidate, and the one with the
+    smallest largest relative residual wins (a minimax fit; n^2 candidates, n <= a dozen sizes).
+    """
+    b = np.asarray(nbytes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if b.shape != t.shape or b.size < 2 or np.any(t <= 0) or np.any(b <= 0):
+        raise ValueError("fit_two_regime needs at least two transfers with positive sizes and times")
+    best: tuple[float, float, float] | None = None
+    for latency in t:
+        for bandwidth in b / t:
+            residual = float(np.max(np.abs(np.maximum(latency, b / bandwidth) - t) / t))
+            if best is None or residual < best[0]:
+                best = (residual, float(latency), float(bandwidth))
+    assert best is not None
+    return LinkFit(latency_s=best[1], bandwidth=best[2], max_rel_residual=best[0])

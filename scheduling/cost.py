@@ -1,8 +1,18 @@
 """Skrull's cost model (docs/design.md §2): FLOPs, KV volume, compute/communication time, memory.
 
-Per Transformer layer, for one packed sequence of S tokens (h = hidden, h_kv = KV hidden):
+Forward FLOPs of one sequence of S tokens, l of them label tokens (h = hidden, h_kv = KV hidden,
+I = MLP intermediate size, V = vocabulary, L = layers); `formula` picks one (scheduling.cost_formula):
 
-    FLOPs(S)    = 20*h^2*S + 4*h*h_kv*S + 4*h*S^2          (forward; x num_layers here)
+  paper  FLOPs(S)    = L * (20*h^2*S + 4*h*h_kv*S + 4*h*S^2)
+         the paper's per-layer count: a GPT-style MLP of 4h (16h^2), Q and O (4h^2), K and V (4h*h_kv),
+         attention scores and values counted as a full S x S matrix; no LM head.
+  model  FLOPs(S, l) = L * (4*h^2*S + 4*h*h_kv*S + 6*h*I*S + 2*h*S*(S+1)) + 2*h*V*l
+         the model's own matrices: Q and O (h x h), K and V (h x h_kv: GQA), a gated MLP of three h x I
+         matrices (gate, up, down), causal attention (query i sees i+1 keys, for QK^T and for AV: the
+         flash kernels on GPU and CPU skip the masked blocks), and the LM head on the label tokens only
+         (the chunked loss, workers/loss.py, computes logits only there). Without label counts every
+         token is taken as a label (the upper bound). Softmax, norms and the cross-entropy's own
+         arithmetic are O(S*h) or O(l*V) element-wise work, left out as in every FLOP count.
     FLOPs(S, N) = FLOPs(S) / N                             (balanced causal shard: rank r holds chunks
                                                             r and 2N-1-r of 2N, so work is equal per rank)
     Volume(S)   = 2 * S * h_kv * bytes                     (K and V; x num_layers here)
@@ -13,11 +23,12 @@ Times (a HardwareProfile holds the rates; see configs/hardware/*.yaml for the so
                                                                     paper's a*F + b is charged once per
                                                                     micro-batch by `micro_batch_time`
     b(W)        = launch + grad_reduce_passes * (W-1)/W * P * grad_bytes_per_param / B_coll(W)
-                  ZeRO-2 reduce-scatters the gradients inside *every* micro-batch's backward over the
-                  W = DP x CP ranks (P parameters; one ring pass for a reduce-scatter, two for an
-                  all-reduce). B_coll(W) = NVLink inside one node; across nodes NCCL runs one ring per
+                  ZeRO-2 reduces the gradients inside *every* micro-batch's backward over the W = DP x CP
+                  ranks (P parameters), with one all_reduce per bucket in DeepSpeed 0.19 (two ring
+                  passes; a reduce-scatter would be one), each rank keeping its partition.
+                  B_coll(W) = NVLink inside one node; across nodes NCCL runs one ring per
                   rail, so a node's gpus_per_node NICs carry it in parallel:
-                  min(NVLink, gpus_per_node * NIC). So b grows with the model: ~7 ms for 0.5B, ~50 ms
+                  min(NVLink, gpus_per_node * NIC). So b grows with the model: ~10 ms for 0.5B, ~96 ms
                   for 7B on 32 H100s (configs/hardware/h100.yaml). It is charged in full (no overlap with
                   the backward), the pessimistic end of DeepSpeed's overlap_comm.
     T_comm(V,N) = comm_passes * L * (N-1) * max(latency, V/(L*N) / bandwidth)
@@ -36,10 +47,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+import numpy as np
 
 QWEN_VOCAB_SIZE = 151936
-"""Qwen2/2.5 embedding rows (config.json vocab_size), used only by CostModel.params' estimate."""
+"""Qwen2/2.5 embedding rows (config.json vocab_size): CostModel.params' estimate when vocab_size is unset."""
+
+COST_FORMULAS = ("paper", "model")
+CostFormula = Literal["paper", "model"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,8 +73,9 @@ class HardwareProfile:
     """Fixed launch/dispatch cost of one micro-batch's forward+backward (the model-independent part of b)."""
     grad_bytes_per_param: float = 2.0
     """Bytes of one gradient element in the ZeRO-2 reduction (bf16)."""
-    grad_reduce_passes: float = 1.0
-    """Ring passes of the per-micro-batch gradient reduction: 1 reduce-scatter (ZeRO-2), 2 all-reduce."""
+    grad_reduce_passes: float = 2.0
+    """Ring passes of the per-micro-batch gradient reduction: 2 for the all_reduce DeepSpeed 0.19's ZeRO-2
+    issues per bucket (1 would be a reduce-scatter)."""
     intra_node_bandwidth: float = 360e9
     """Bytes/s one rank can send to a peer inside a node."""
     inter_node_bandwidth: float = 40e9
@@ -72,11 +89,23 @@ class HardwareProfile:
     device_memory_bytes: float = 80e9
     activation_bytes_per_hidden: float = 34.0
     """Activation bytes per token per layer per hidden unit (34 with selective recompute, bf16)."""
+    ring_overlap: float = 1.0
+    """Share of min(ring time, local compute) the ring's transfers hide behind local compute: 1 = fully
+    (DACP's premise, separate CUDA streams), 0 = serialized (measured by `python -m app profile`)."""
+    grad_reduce_bandwidth: float = 0.0
+    """Bytes/s of the ZeRO-2 gradient collective inside one node (measured); 0: intra_node_bandwidth."""
+    optimizer_s_per_param: float = 0.0
+    """Seconds of the optimizer step per parameter a rank updates (ZeRO-2: P / W each, plus the parameter
+    all-gather); 0: not modeled. Charged once per step, outside the plan's micro-batches."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name != "name" and not value > 0:
+            if f.name in ("ring_overlap", "grad_reduce_bandwidth", "optimizer_s_per_param"):
+                ok = 0.0 <= value <= 1.0 if f.name == "ring_overlap" else value >= 0
+                if not ok:
+                    raise ValueError(f"hardware profile {self.name!r}: {f.name} out of range: {value!r}")
+            elif f.name != "name" and not value > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f.name} must be > 0, got {value!r}")
 
     @classmethod
@@ -96,9 +125,10 @@ class HardwareProfile:
 
     def collective_bandwidth(self, world: int) -> float:
         """Bus bandwidth of a ring collective over `world` ranks (NVLink, or every rail's NIC at once)."""
+        inside = self.grad_reduce_bandwidth or self.intra_node_bandwidth
         if world <= self.gpus_per_node:
-            return self.intra_node_bandwidth
-        return min(self.intra_node_bandwidth, self.gpus_per_node * self.inter_node_bandwidth)
+            return inside
+        return min(inside, self.gpus_per_node * self.inter_node_bandwidth)
 
     def link(self, cp_size: int) -> tuple[float, float]:
         """(latency_s, bandwidth) of a ring over `cp_size` ranks: NVLink if one node holds it."""
@@ -116,7 +146,13 @@ class CostModel:
     num_layers: int
     profile: HardwareProfile = dataclasses.field(default_factory=HardwareProfile)
     num_params: int = 0
-    """Trainable parameters (whose gradients ZeRO-2 reduces every micro-batch); 0: `estimated_params`."""
+    """Trainable parameters (whose gradients ZeRO-2 reduces every micro-batch); 0: `params` estimates."""
+    formula: CostFormula = "paper"
+    """Which FLOP count (module docstring): the paper's, or the model's own matrices."""
+    intermediate_size: int = 0
+    """MLP width I of the model formula (0: 4h, the paper's MLP)."""
+    vocab_size: int = 0
+    """Vocabulary V of the model formula's LM head (0: Qwen2.5's 151936)."""
 
     def __post_init__(self) -> None:
         for knob, value in (("model.hidden_size", self.hidden_size),
@@ -124,28 +160,48 @@ class CostModel:
                             ("model.num_layers", self.num_layers)):
             if value < 1:
                 raise ValueError(f"cost model needs {knob} >= 1, got {value}")
-        if self.num_params < 0:
-            raise ValueError(f"cost model needs model.num_params >= 0, got {self.num_params}")
+        for knob, value in (("model.num_params", self.num_params),
+                            ("model.intermediate_size", self.intermediate_size),
+                            ("model.vocab_size", self.vocab_size)):
+            if value < 0:
+                raise ValueError(f"cost model needs {knob} >= 0, got {value}")
+        if self.formula not in COST_FORMULAS:
+            raise ValueError(f"scheduling.cost_formula={self.formula!r} is not one of: "
+                             f"{', '.join(COST_FORMULAS)}")
 
     @classmethod
     def from_model_dims(cls, *, hidden_size: int, kv_hidden_size: int, num_layers: int,
-                        profile: HardwareProfile | None = None, num_params: int = 0) -> CostModel:
+                        profile: HardwareProfile | None = None, num_params: int = 0,
+                        formula: CostFormula = "paper", intermediate_size: int = 0,
+                        vocab_size: int = 0) -> CostModel:
         return cls(hidden_size=int(hidden_size), kv_hidden_size=int(kv_hidden_size),
                    num_layers=int(num_layers), profile=profile or HardwareProfile(),
-                   num_params=int(num_params))
+                   num_params=int(num_params), formula=formula, intermediate_size=int(intermediate_size),
+                   vocab_size=int(vocab_size))
+
+    @property
+    def mlp_size(self) -> int:
+        return self.intermediate_size or 4 * self.hidden_size
+
+    @property
+    def vocab(self) -> int:
+        return self.vocab_size or QWEN_VOCAB_SIZE
 
     @property
     def params(self) -> int:
-        """num_params, or the estimate 12*h^2*L + 2*V*h with Qwen2.5's vocabulary V = 151936.
+        """num_params, or an estimate from the dimensions (untied input and output embeddings).
 
-        12*h^2 per layer is the classic GPT count (4h^2 attention + 8h^2 MLP); Qwen's wider MLP and GQA
-        make the true count differ (Qwen2.5-0.5B: 494M true vs 504M estimated, 7B: 7.62B vs 5.41B), so
-        configs should state model.num_params; 2*V*h counts untied input and output embeddings.
+        paper: 12*h^2*L + 2*V*h, the classic GPT count (4h^2 attention + 8h^2 MLP), which misses Qwen's
+        wider MLP and GQA (Qwen2.5-0.5B: 494M true vs 504M estimated, 7B: 7.62B vs 5.41B).
+        model: (2*h^2 + 2*h*h_kv + 3*h*I) * L + 2*V*h, the model's own matrices (biases and norms left out).
         """
         if self.num_params:
             return self.num_params
-        h = self.hidden_size
-        return 12 * h * h * self.num_layers + 2 * QWEN_VOCAB_SIZE * h
+        h, layers, embeddings = self.hidden_size, self.num_layers, 2 * self.vocab * self.hidden_size
+        if self.formula == "paper":
+            return 12 * h * h * layers + embeddings
+        per_layer = 2 * h * h + 2 * h * self.kv_hidden_size + 3 * h * self.mlp_size
+        return per_layer * layers + embeddings
 
     def micro_batch_overhead_s(self, world: int = 1) -> float:
         """b: launch cost + the ZeRO-2 gradient reduce-scatter over `world` = DP x CP ranks."""
@@ -156,11 +212,41 @@ class CostModel:
         volume = p.grad_reduce_passes * (world - 1) / world * self.params * p.grad_bytes_per_param
         return launch + volume / p.collective_bandwidth(world)
 
+    def optimizer_step_s(self, world: int = 1) -> float:
+        """The once-per-step optimizer time: every rank updates its 1/world share of the parameters."""
+        return self.profile.optimizer_s_per_param * self.params / max(world, 1)
+
     # ------------------------------------------------------------------------------------------ FLOPs
-    def flops(self, length: float) -> float:
-        """Forward FLOPs of one whole sequence over all layers (works elementwise on numpy arrays)."""
-        h, hkv = self.hidden_size, self.kv_hidden_size
-        return self.num_layers * (20 * h * h * length + 4 * h * hkv * length + 4 * h * length * length)
+    def flops(self, length: Any, labels: Any = None) -> Any:
+        """Forward FLOPs of whole sequences over all layers (module docstring; elementwise on arrays).
+
+        `labels`: label tokens per sequence (the model formula's LM head); None: every token.
+        """
+        terms = self.flop_terms(length, labels)
+        return terms["linear"] + terms["attention"] + terms["lm_head"]
+
+    def flop_terms(self, length: Any, labels: Any = None, *, causal: bool = True) -> dict[str, Any]:
+        """The forward FLOPs by term: `linear` (projections and MLP), `attention`, `lm_head`.
+
+        causal=False counts the attention as a full S x S product (what a FLOP counter that ignores the
+        mask reports); the planner always uses the causal count.
+        """
+        h, hkv, layers = self.hidden_size, self.kv_hidden_size, self.num_layers
+        s = np.asarray(length, dtype=np.float64) if not np.isscalar(length) else float(length)
+        if self.formula == "paper":
+            return {"linear": layers * (20 * h * h + 4 * h * hkv) * s, "attention": layers * 4 * h * s * s,
+                    "lm_head": 0.0 * s}
+        label_tokens = s if labels is None else (
+            np.asarray(labels, dtype=np.float64) if not np.isscalar(labels) else float(labels))
+        attention = 2 * h * s * (s + 1) if causal else 4 * h * s * s
+        return {"linear": layers * (4 * h * h + 4 * h * hkv + 6 * h * self.mlp_size) * s,
+                "attention": layers * attention, "lm_head": 2 * h * self.vocab * label_tokens}
+
+    def sequence_flops(self, lengths: Sequence[int], labels: Sequence[int] | None = None) -> list[float]:
+        """flops() of every sequence of a batch, as a list the planners index by sequence."""
+        lens = np.asarray(lengths, dtype=np.float64)
+        return np.asarray(self.flops(lens, None if labels is None else np.asarray(labels)),
+                          dtype=np.float64).tolist()
 
     def shard_flops(self, length: float, cp_size: int) -> float:
         """Per-rank forward FLOPs of a sequence cut into balanced causal shards over `cp_size` ranks."""
@@ -175,6 +261,11 @@ class CostModel:
         p = self.profile
         return flops * p.train_flops_factor / (p.peak_flops * p.mfu)
 
+    def overlapped(self, comm_s: float, local_s: float) -> float:
+        """Ring and local compute run together: max(comm, local) when the profile's ring_overlap is 1,
+        their sum when 0, in between comm + local - ring_overlap * min(comm, local)."""
+        return comm_s + local_s - self.profile.ring_overlap * min(comm_s, local_s)
+
     def t_comm(self, volume: float, cp_size: int) -> float:
         """Ring time of forward+backward for `volume` K/V bytes sharded over `cp_size` ranks."""
         if cp_size <= 1 or volume <= 0:
@@ -186,7 +277,8 @@ class CostModel:
 
     def micro_batch_time(self, local_flops: Sequence[float], dist_flops: float, volume: float, *,
                          world: int = 1) -> float:
-        """DACP overlap formula: max_j [max(T_comm(V), T_comp(Local_j)) + T_comp(Dist)] + b(world).
+        """DACP overlap formula: max_j [max(T_comm(V), T_comp(Local_j)) + T_comp(Dist)] + b(world)
+        (max: with ring_overlap = 1; `overlapped` in general).
 
         `local_flops[j]` is rank j's local FLOPs, `dist_flops` the per-rank FLOPs of the distributed
         shards (equal on every rank), `volume` the distributed sequences' total K/V bytes, `world` the
@@ -195,7 +287,7 @@ class CostModel:
         comm = self.t_comm(volume, len(local_flops))
         worst_local = max(local_flops) if len(local_flops) else 0.0
         overhead = self.micro_batch_overhead_s(world)
-        return max(comm, self.t_comp(worst_local)) + self.t_comp(dist_flops) + overhead
+        return self.overlapped(comm, self.t_comp(worst_local)) + self.t_comp(dist_flops) + overhead
 
 
 def bucket_size_from_memory(*, device_memory_bytes: float, static_memory_bytes: float,

@@ -131,7 +131,8 @@ def all_sharded(indices: Sequence[int], lengths: Sequence[int], cp_size: int,
 
 def plan_dacp(lengths: Sequence[int], *, cp_size: int, bucket_size: int, cost: CostModel,
               indices: Sequence[int] | None = None, placement: str = "greedy", refine: bool = True,
-              on_step: Callable[[DacpState], None] | None = None) -> DacpPlan:
+              on_step: Callable[[DacpState], None] | None = None,
+              labels: Sequence[int] | None = None) -> DacpPlan:
     """Plan one micro-batch (all of `lengths`, or the subset `indices`) over `cp_size` CP ranks.
 
     Algorithm 1 (+ the refinement unless refine=False); when its roll-back gives up, the all-sharded
@@ -143,7 +144,7 @@ def plan_dacp(lengths: Sequence[int], *, cp_size: int, bucket_size: int, cost: C
     chosen = range(len(lengths)) if indices is None else indices
     check_fits([lengths[i] for i in chosen], cp_size, bucket_size)
     order = sorted(chosen, key=lambda i: (int(lengths[i]), i))
-    flops = [cost.flops(float(s)) for s in lengths]
+    flops = cost.sequence_flops(lengths, labels)
     state = dacp_assign(order, lengths, flops, cp_size=cp_size, bucket_size=bucket_size,
                         placement=placement, cost=cost if refine else None, on_step=on_step)
     if state is not None:

@@ -12,6 +12,12 @@
 
    Accept m when every micro-batch holds <= C*N tokens and DACP places it; else m += 1 (the GDS
    roll-back). m = len(bin) always succeeds (one sequence per micro-batch, S <= C*N checked up front).
+   Our addition: when the strided split does not fit, a balanced packing into the same m is tried
+   (longest first, each to the micro-batch with the fewest tokens that has room). The strided split alone
+   fails on any batch holding a sequence that nearly fills C*N tokens: short sequences are dealt beside
+   it at every m, so m grew to one sequence per micro-batch (32 micro-batches for 32 sequences, measured
+   by `bench train` on configs/bench/cpu-lmsys.yaml, where packing needs ~8). With a cost model the
+   packing is also kept when it models faster than a strided split that fits.
 3. Equal micro-batch counts: ZeRO-2 reduces gradients inside every backward, so every DP rank must run
    the same number of micro-batches (docs/design.md §9). We *re-split* every rank to the largest count M
    (strided again with m = M, growing M if some rank's re-split fails) rather than append empty
@@ -34,8 +40,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-
-import numpy as np
 
 from scheduling.cost import CostModel
 from scheduling.dacp import all_sharded, check_fits, dacp_assign
@@ -76,15 +80,44 @@ class _RankSplitter:
         return max(1, -(-total // (self.bucket_size * self.cp_size)))
 
     def split(self, count: int) -> list[DacpPlan] | None:
-        """The `count` strided micro-batches, or None if one of them does not fit."""
+        """`count` micro-batches: the strided split, or the balanced packing when that one does not fit
+        (with a cost model: whichever of the two models faster); None if neither fits."""
+        strided = self._planned([self.bin[j::count] for j in range(count)])
+        if strided is not None and self.cost is None:
+            return strided
+        groups = self._packed(count)
+        packed = None if groups is None else self._planned(groups)
+        if strided is None or packed is None:
+            return strided or packed
+        return packed if self.split_time(packed) < self.split_time(strided) else strided
+
+    def _packed(self, count: int) -> list[list[int]] | None:
+        """Longest first, each sequence to the micro-batch holding the fewest tokens that still has room
+        for it within C*N (None when a sequence finds none): the strided split puts short sequences beside
+        one that fills a micro-batch (it then grows the count up to one sequence per micro-batch), this
+        packing never does."""
+        capacity = self.bucket_size * self.cp_size
+        members: list[list[int]] = [[] for _ in range(count)]
+        tokens = [0] * count
+        for i in sorted(self.bin, key=lambda i: (-int(self.lengths[i]), i)):
+            length = int(self.lengths[i])
+            room = [j for j in range(count) if tokens[j] + length <= capacity]
+            if not room:
+                return None
+            j = min(room, key=lambda j: (tokens[j], j))
+            members[j].append(i)
+            tokens[j] += length
+        return [sorted(m, key=lambda i: (int(self.lengths[i]), i)) for m in members]
+
+    def _planned(self, groups: list[list[int]]) -> list[DacpPlan] | None:
+        """Each group planned as one micro-batch, or None if one of them does not fit."""
+        if any(sum(int(self.lengths[i]) for i in g) > self.bucket_size * self.cp_size for g in groups):
+            return None
         plans = []
-        for j in range(count):
-            members = self.bin[j::count]
+        for members in groups:
             if not members:
                 plans.append(DacpPlan.empty(self.cp_size))
                 continue
-            if sum(int(self.lengths[i]) for i in members) > self.bucket_size * self.cp_size:
-                return None
             plan = self._plan(members)
             if plan is None:
                 return None
@@ -132,18 +165,19 @@ class _RankSplitter:
 
 def plan_gds(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
              placement: str = "greedy", execution: str = "dacp", refine: bool = True,
-             bins: list[list[int]] | None = None) -> StepPlan:
+             bins: list[list[int]] | None = None, labels: Sequence[int] | None = None) -> StepPlan:
     """Plan one global batch: LPT over DP ranks, strided micro-batches, DACP per micro-batch.
 
     `refine` applies scheduling.refine to every DACP placement (refine=False: the paper's Algorithm 1).
     `bins` replaces step 1 with a given DP split (the DACP-only ablation passes the data-order split).
+    `labels`: label tokens per sequence (the model cost formula's LM head; None: every token).
     """
     if dp_size < 1:
         raise SchedulingError(f"DP size must be >= 1 (parallel.num_workers / parallel.cp_size): {dp_size}")
     if execution not in EXECUTIONS:
         raise SchedulingError(f"GDS execution {execution!r} is not one of {EXECUTIONS}")
     check_fits(lengths, cp_size, bucket_size)
-    flops = cost.flops(np.asarray(lengths, dtype=np.float64)).tolist()
+    flops = cost.sequence_flops(lengths, labels)
     if bins is None:
         bins = lpt_bins(flops, dp_size)
     splitters = [_RankSplitter(b, lengths, flops, cp_size=cp_size, bucket_size=bucket_size,
@@ -157,7 +191,7 @@ def plan_gds(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size:
     # stopping once M alone is too slow: max_r floor_r + M*b lower-bounds any split into M, floor_r
     # being rank r's share of its FLOPs or its longest sequence alone (scheduling/simulate.py's proof).
     best, best_time = results, _step_time(splitters, results)
-    floor = max(_rank_floor([int(lengths[i]) for i in b], cost, cp_size) for b in bins if b)
+    floor = max(_rank_floor(b, lengths, flops, cost, cp_size) for b in bins if b)
     for extra in range(1, EXTRA_COUNTS + 1):
         count = results[0][0] + extra
         if floor + count * cost.micro_batch_overhead_s(dp_size * cp_size) >= best_time:
@@ -185,12 +219,14 @@ def _equal_counts(splitters: list[_RankSplitter], results: list[Split]) -> list[
         target = new_target
 
 
-def _rank_floor(lengths: list[int], cost: CostModel, cp_size: int) -> float:
+def _rank_floor(members: list[int], lengths: Sequence[int], flops: Sequence[float], cost: CostModel,
+                cp_size: int) -> float:
     """Seconds (without b) no split of one DP rank's sequences can beat (see scheduling.simulate)."""
-    longest = float(max(lengths))
-    alone = min(cost.t_comp(cost.flops(longest)), cost.t_comm(cost.kv_bytes(longest), cp_size)
-                + cost.t_comp(cost.flops(longest) / cp_size))
-    return max(cost.t_comp(float(cost.flops(np.asarray(lengths, dtype=np.float64)).sum()) / cp_size), alone)
+    longest = max(members, key=lambda i: (flops[i], int(lengths[i])))
+    heaviest = flops[longest]
+    alone = min(cost.t_comp(heaviest), cost.t_comm(cost.kv_bytes(float(lengths[longest])), cp_size)
+                + cost.t_comp(heaviest / cp_size))
+    return max(cost.t_comp(sum(flops[i] for i in members) / cp_size), alone)
 
 
 def _step_time(splitters: list[_RankSplitter], results: list[Split]) -> float:

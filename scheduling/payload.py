@@ -15,6 +15,7 @@ Pure: numpy only, so it is tested without Ray.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from scheduling import StepPlan
+    from scheduling.simulate import StepEstimate
 
 IGNORE_INDEX = -100
 """Label of a token that carries no loss (the Hugging Face / PyTorch cross-entropy convention)."""
@@ -99,6 +101,10 @@ class RankPayload:
     cursor: Cursor
     """Data position after this step: a checkpoint taken after it resumes from here."""
     plan_ms: float
+    predicted_step_s: float = math.nan
+    """The cost model's step time for the whole plan (scheduling/simulate.py); NaN when not modeled."""
+    predicted_busy_s: float = math.nan
+    """The cost model's busy time of this (dp_rank, cp_rank) over its micro-batches; NaN when not modeled."""
 
 
 def _sequences_needed(plan: DacpPlan, cp_rank: int) -> tuple[int, ...]:
@@ -113,8 +119,12 @@ def build_rank_payloads(
     epoch: int,
     cursor: Cursor,
     plan_ms: float,
+    estimate: StepEstimate | None = None,
 ) -> dict[tuple[int, int], RankPayload]:
     """Split one planned global batch into per-(dp_rank, cp_rank) payloads.
+
+    `estimate`: the cost model's times of the plan, carried so the workers can report predicted beside
+    measured time.
 
     ValueError if the global batch has no label token: every rank would divide a zero loss sum by
     max(0, 1) and the run would report loss 0.0 while training on nothing. Usable rows always carry a label
@@ -147,6 +157,8 @@ def build_rank_payloads(
                 step=step, epoch=epoch, dp_rank=dp_rank, cp_rank=cp_rank, micro_batches=micro_batches,
                 global_label_tokens=label_tokens, global_tokens=tokens,
                 sample_ids_by_dp_rank=sample_ids, cursor=cursor, plan_ms=plan_ms,
+                predicted_step_s=estimate.total_s if estimate else math.nan,
+                predicted_busy_s=estimate.rank_busy_s[dp_rank][cp_rank] if estimate else math.nan,
             )
     return payloads
 

@@ -36,48 +36,59 @@ class Policy(Protocol):
     """One policy: a StepPlan of `lengths` whose indices refer to `lengths`."""
 
     def __call__(self, lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-                 cost: CostModel, seed: int, static_cp_micro_batch: int) -> StepPlan: ...
+                 cost: CostModel, seed: int, static_cp_micro_batch: int,
+                 labels: Sequence[int] | None) -> StepPlan: ...
 
 
 # Adapters to the Policy signature. seed only matters to sorted batching (group shuffle) and
-# static_cp_micro_batch only to static_cp; cost is unused by the all-sharded baselines' batching.
+# static_cp_micro_batch only to static_cp; cost and labels are unused by the all-sharded baselines'
+# batching.
 
 def _skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-            seed: int, static_cp_micro_batch: int) -> StepPlan:
-    return skrull(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost)
+            seed: int, static_cp_micro_batch: int,
+        labels: Sequence[int] | None = None) -> StepPlan:
+    return skrull(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
+                  labels=labels)
 
 
 def _static_cp(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-               seed: int, static_cp_micro_batch: int) -> StepPlan:
+               seed: int, static_cp_micro_batch: int,
+        labels: Sequence[int] | None = None) -> StepPlan:
     return static_cp(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
                      micro_batch=static_cp_micro_batch)
 
 
 def _static_cp_packed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-                      cost: CostModel, seed: int, static_cp_micro_batch: int) -> StepPlan:
+                      cost: CostModel, seed: int, static_cp_micro_batch: int,
+        labels: Sequence[int] | None = None) -> StepPlan:
     return static_cp_packed(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size)
 
 
 def _sorted(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-            seed: int, static_cp_micro_batch: int) -> StepPlan:
+            seed: int, static_cp_micro_batch: int,
+        labels: Sequence[int] | None = None) -> StepPlan:
     return sorted_batching(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, seed=seed)
 
 
 def _roundrobin(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-                cost: CostModel, seed: int, static_cp_micro_batch: int) -> StepPlan:
+                cost: CostModel, seed: int, static_cp_micro_batch: int,
+        labels: Sequence[int] | None = None) -> StepPlan:
     return plan_gds(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                    placement="roundrobin", refine=False)
+                    placement="roundrobin", refine=False, labels=labels)
 
 
 def _dacp_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-               seed: int, static_cp_micro_batch: int) -> StepPlan:
-    return dacp_only(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost)
+               seed: int, static_cp_micro_batch: int,
+        labels: Sequence[int] | None = None) -> StepPlan:
+    return dacp_only(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
+                     labels=labels)
 
 
 def _gds_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-              seed: int, static_cp_micro_batch: int) -> StepPlan:
+              seed: int, static_cp_micro_batch: int,
+        labels: Sequence[int] | None = None) -> StepPlan:
     return plan_gds(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                    execution="static")
+                    execution="static", labels=labels)
 
 
 REGISTRY: dict[str, Policy] = {
@@ -102,11 +113,15 @@ def check_policy(name: str) -> str:
 
 
 def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-              cost: CostModel, seed: int = 0, static_cp_micro_batch: int = 1) -> StepPlan:
-    """Plan one global batch with `policy` (one of POLICIES); indices in the plan refer to `lengths`."""
+              cost: CostModel, seed: int = 0, static_cp_micro_batch: int = 1,
+              labels: Sequence[int] | None = None) -> StepPlan:
+    """Plan one global batch with `policy` (one of POLICIES); indices in the plan refer to `lengths`.
+
+    `labels`: label tokens per sequence, for the model cost formula's LM head (None: every token).
+    """
     planner = REGISTRY[check_policy(policy)]
     if dp_size < 1:
         raise SchedulingError(f"DP size must be >= 1 (parallel.num_workers / parallel.cp_size): {dp_size}")
     check_fits(lengths, cp_size, bucket_size)
     return planner(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                   seed=seed, static_cp_micro_batch=static_cp_micro_batch)
+                   seed=seed, static_cp_micro_batch=static_cp_micro_batch, labels=labels)

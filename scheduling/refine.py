@@ -57,7 +57,7 @@ class _Refiner:
 
     def time(self, max_local: float, dist: float, volume: float) -> float:
         c = self.cost
-        return max(c.t_comm(volume, self.n), c.t_comp(max_local)) + c.t_comp(dist)
+        return c.overlapped(c.t_comm(volume, self.n), c.t_comp(max_local)) + c.t_comp(dist)
 
     @property
     def current(self) -> float:

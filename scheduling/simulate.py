@@ -3,6 +3,9 @@
 For CP rank j of one micro-batch (the DACP overlap formula, docs/design.md §3):
 
     Time_j = max(T_comm(V), T_comp(Local_j)) + T_comp(Dist) + b
+             (max: the ring fully hidden; with the profile's ring_overlap o < 1 the first term is
+              T_comm + T_comp(Local_j) - o * min(T_comm, T_comp(Local_j)), which is >= the max, so the
+              lower bounds below stay lower bounds)
 
     micro-batch time = max_j Time_j            (CP ranks synchronize in the ring / the backward)
     DP rank time     = sum over its micro-batches
@@ -35,8 +38,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from scheduling.cost import CostModel
 from scheduling.plans import DacpPlan, StepPlan
 
@@ -56,6 +57,14 @@ class StepEstimate:
     cp_imbalance: float
     distributed_token_fraction: float
     num_micro_batches: int
+    optimizer_s: float = 0.0
+    """The once-per-step optimizer time (CostModel.optimizer_step_s), the same for every plan of a batch:
+    part of `total_s`, not of step_s (which the policies compare)."""
+
+    @property
+    def total_s(self) -> float:
+        """The modeled wall time of the whole step: the plan's micro-batches and the optimizer step."""
+        return self.step_s + self.optimizer_s
 
     @property
     def bound_ratio(self) -> float:
@@ -78,28 +87,34 @@ def rank_times(plan: DacpPlan, lengths: Sequence[int], flops: Sequence[float],
     volume = sum(cost.kv_bytes(float(lengths[i])) for i in plan.distributed)
     comm = cost.t_comm(volume, n)
     tail = cost.t_comp(dist_flops) + cost.micro_batch_overhead_s(world)
-    return [max(comm, cost.t_comp(sum(flops[i] for i in rank))) + tail for rank in plan.local]
+    return [cost.overlapped(comm, cost.t_comp(sum(flops[i] for i in rank))) + tail for rank in plan.local]
 
 
-def lower_bounds(lengths: Sequence[int], cost: CostModel, *, dp_size: int,
-                 cp_size: int) -> tuple[float, float]:
-    """(perfect-balance bound, feasible bound) of any plan of `lengths` (see the module docstring)."""
+def lower_bounds(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_size: int,
+                 labels: Sequence[int] | None = None) -> tuple[float, float]:
+    """(perfect-balance bound, feasible bound) of any plan of `lengths` (see the module docstring).
+
+    The "longest" sequence of the proof is the one with the most FLOPs (with label counts, a slightly
+    shorter sequence can outweigh the longest one; every step of the proof holds for it as well).
+    """
     world = dp_size * cp_size
     overhead = cost.micro_batch_overhead_s(world)
-    total = float(sum(cost.flops(float(s)) for s in lengths))
-    bound = cost.t_comp(total / world) + overhead
+    all_flops = cost.sequence_flops(lengths, labels)
+    bound = cost.t_comp(sum(all_flops) / world) + overhead
     if not len(lengths):
         return bound, bound
-    longest = float(max(lengths))
-    flops = cost.flops(longest)
-    alone = min(cost.t_comp(flops),
-                cost.t_comm(cost.kv_bytes(longest), cp_size) + cost.t_comp(flops / cp_size)) + overhead
+    heaviest = max(range(len(lengths)), key=lambda i: (all_flops[i], int(lengths[i])))
+    flops = all_flops[heaviest]
+    alone = min(cost.t_comp(flops), cost.t_comm(cost.kv_bytes(float(lengths[heaviest])), cp_size)
+                + cost.t_comp(flops / cp_size)) + overhead
     return bound, max(bound, alone)
 
 
-def simulate(step: StepPlan, lengths: Sequence[int], cost: CostModel) -> StepEstimate:
-    """Model one step; `lengths` is the global batch the plan's indices refer to."""
-    flops = cost.flops(np.asarray(lengths, dtype=np.float64)).tolist()
+def simulate(step: StepPlan, lengths: Sequence[int], cost: CostModel,
+             labels: Sequence[int] | None = None) -> StepEstimate:
+    """Model one step; `lengths` (and `labels`, label tokens per sequence) is the global batch the plan's
+    indices refer to."""
+    flops = cost.sequence_flops(lengths, labels)
     world = step.dp_size * step.cp_size
     dp_times, busy = [], []
     worst_total = mean_total = 0.0
@@ -114,12 +129,12 @@ def simulate(step: StepPlan, lengths: Sequence[int], cost: CostModel) -> StepEst
             per_cp = [a + b for a, b in zip(per_cp, times, strict=True)]
         dp_times.append(total)
         busy.append(tuple(per_cp))
-    bound, feasible = lower_bounds(lengths, cost, dp_size=step.dp_size, cp_size=step.cp_size)
+    bound, feasible = lower_bounds(lengths, cost, dp_size=step.dp_size, cp_size=step.cp_size, labels=labels)
     tokens = sum(int(s) for s in lengths)
     distributed = sum(int(lengths[i]) for r in step.micro_batches for mb in r for i in mb.distributed)
     return StepEstimate(
         step_s=max(dp_times), bound_s=bound, feasible_bound_s=feasible, dp_rank_s=tuple(dp_times),
         rank_busy_s=tuple(busy),
         cp_imbalance=worst_total / mean_total, distributed_token_fraction=distributed / max(tokens, 1),
-        num_micro_batches=step.num_micro_batches,
+        num_micro_batches=step.num_micro_batches, optimizer_s=cost.optimizer_step_s(world),
     )

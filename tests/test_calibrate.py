@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from app.__main__ import main
@@ -25,9 +26,13 @@ def test_fit_recovers_the_profile_that_generated_the_times() -> None:
 
 
 def test_fit_reports_nonlinearity_and_clips_a_negative_intercept() -> None:
-    fit = fit_compute([1e12, 2e12, 3e12, 4e12], [0.9, 2.0, 2.9, 4.2], HardwareProfile())
+    flops, seconds = np.array([1e12, 2e12, 3e12, 4e12]), np.array([0.9, 2.0, 2.9, 4.2])
+    fit = fit_compute(flops, seconds, HardwareProfile())
     assert fit.intercept_s < 0 and fit.micro_batch_launch_s == 0.0
-    assert fit.max_rel_residual == pytest.approx(0.14 / 2.9)
+    # Reference: the line minimizing the squared *relative* residuals, (a*f + b - t) / t, solved directly.
+    (a, b), *_ = np.linalg.lstsq(np.stack([flops / seconds, 1 / seconds], axis=1), np.ones(4), rcond=None)
+    assert fit.slope_s_per_flop == pytest.approx(a) and fit.intercept_s == pytest.approx(b)
+    assert fit.max_rel_residual == pytest.approx(np.max(np.abs(a * flops + b - seconds) / seconds))
 
 
 @pytest.mark.parametrize("flops,seconds,match", [

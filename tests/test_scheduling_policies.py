@@ -96,11 +96,12 @@ def test_micro_batch_cost_grows_with_model_and_crosses_nodes():
     big = CostModel.from_model_dims(hidden_size=896, kv_hidden_size=128, num_layers=24, num_params=10**9)
     p = small.profile
     assert small.micro_batch_overhead_s(1) == p.micro_batch_launch_s  # no reduction on one rank
-    # ring reduce-scatter: (W-1)/W * params * bytes over NVLink (W <= 8) or all 8 rails' NICs (W > 8)
+    # ring all-reduce (2 passes): 2 (W-1)/W * params * bytes over NVLink (W <= 8) or all 8 rails' NICs
     assert big.micro_batch_overhead_s(8) == pytest.approx(
-        p.micro_batch_launch_s + 7 / 8 * 1e9 * 2 / p.intra_node_bandwidth)
+        p.micro_batch_launch_s + 2 * 7 / 8 * 1e9 * 2 / p.intra_node_bandwidth)
     assert big.micro_batch_overhead_s(32) == pytest.approx(
-        p.micro_batch_launch_s + 31 / 32 * 1e9 * 2 / min(p.intra_node_bandwidth, 8 * p.inter_node_bandwidth))
+        p.micro_batch_launch_s
+        + 2 * 31 / 32 * 1e9 * 2 / min(p.intra_node_bandwidth, 8 * p.inter_node_bandwidth))
     assert small.micro_batch_overhead_s(32) < big.micro_batch_overhead_s(32)
     # unknown count: 12*h^2*L + 2*V*h with Qwen's vocabulary
     assert CostModel.from_model_dims(hidden_size=896, kv_hidden_size=128, num_layers=24).params == (

@@ -7,9 +7,12 @@ silently ignores.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypedDict
 
 import torch
+import torch.distributed as dist
 
 from workers.models import ModelSpec
 
@@ -64,13 +67,69 @@ class DeepSpeedConfig(TypedDict, total=False):
     scheduler: SchedulerSection
 
 
-def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.device, seed: int) -> Any:
-    """The model on `device`, wrapped in a DeepSpeed engine (ZeRO-2 over the default process group)."""
+@dataclass(frozen=True, slots=True)
+class ZeroGroups:
+    """The process groups DeepSpeed runs ZeRO-2 over, each with the run's collective timeout.
+
+    Passed to `deepspeed.initialize(mpu=...)`, DeepSpeed's interface for a caller's own groups (the
+    Megatron "model parallel unit"). Without it DeepSpeed reduces gradients over its own clone of the
+    world group, made by `new_group` without a timeout, so a stopped peer would hang the step for torch's
+    default 30 minutes instead of `train.collective_timeout_s`. Data parallel here means every rank (DP x
+    CP and spares: ZeRO-2 partitions over all of them); there is no tensor or pipeline parallelism, so the
+    model-parallel group is this rank alone (DeepSpeed all-reduces norms over it unconditionally in places,
+    so it must be a real group: None would mean the world).
+    """
+
+    data: dist.ProcessGroup
+    solo: dist.ProcessGroup
+
+    @classmethod
+    def create(cls, timeout: timedelta) -> ZeroGroups:
+        """Collective: every rank calls it alike (new_group and new_subgroups are collective)."""
+        data = dist.new_group(list(range(dist.get_world_size())), timeout=timeout)
+        solo, _ = dist.new_subgroups(group_size=1, timeout=timeout)
+        return cls(data, solo)
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.data
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.data)
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.data)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.data)
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        return self.solo
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return dist.get_rank()
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
+
+
+def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.device, seed: int,
+                 groups: ZeroGroups | None = None) -> Any:
+    """The model on `device`, wrapped in a DeepSpeed engine: ZeRO-2 over `groups` (default: the world)."""
     import deepspeed  # lazy: the driver and Ray Data workers never need it
 
     torch.manual_seed(seed)  # identical initial weights on every rank for random-init models
     model = spec.build().to(device)
     model.train()  # from_pretrained returns eval mode, which would also silently skip activation recompute
-    engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config),
+    engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config), mpu=groups,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad])
     return engine

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from scheduling.actor import PlannerClient
+from scheduling.actor import Fetched, PlannerClient
 from scheduling.payload import Cursor, RankPayload
 from workers.checkpoints import (
     CheckpointState,
@@ -34,10 +34,10 @@ from workers.checkpoints import (
     universal_dir,
 )
 from workers.distributed import ParallelGroups
-from workers.engine import DeepSpeedConfig, build_engine
+from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
 from workers.metrics import MetricsWindow
 from workers.models import ModelSpec
-from workers.step import run_step
+from workers.step import StepStats, run_step
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,7 +59,7 @@ class WorkerSettings:
     """The driver's RunMonitor handle (told of every start of the worker group), or None."""
     seed: int = 0
     collective_timeout_s: float = 1800.0
-    """train.collective_timeout_s: the CP groups' timeout (the world group's comes from TorchConfig)."""
+    """train.collective_timeout_s: the CP and ZeRO groups' timeout (the world's comes from TorchConfig)."""
     planner_timeout_s: float | None = None
     """scheduling.planner_timeout_s: longest wait for one step's payload."""
 
@@ -99,6 +99,14 @@ def _report(window: list[dict[str, float]], engine: Any, payload: RankPayload, g
 def _start_group(settings: WorkerSettings, groups: ParallelGroups, resume: CheckpointState | None,
                  session: str) -> None:
     """World rank 0: log the shape, cut samples.jsonl back to the checkpoint, restart the planner from it."""
+    announce_group(settings, groups, resume, session)
+    cut_samples(settings.run_dir, resume.step if resume else 0)
+    restart_planner(settings.planner, groups, resume, session, timeout_s=settings.planner_timeout_s)
+
+
+def announce_group(settings: WorkerSettings, groups: ParallelGroups, resume: CheckpointState | None,
+                   session: str) -> None:
+    """World rank 0: log this start's shape and tell the driver's monitor (which counts the starts)."""
     import ray
 
     resumed = resume.step if resume else 0
@@ -113,19 +121,39 @@ def _start_group(settings: WorkerSettings, groups: ParallelGroups, resume: Check
               "optimizer state (zero gradient)", flush=True)
     if settings.monitor is not None:
         ray.get(settings.monitor.group_started.remote(session, resumed))
-    cut_samples(settings.run_dir, resumed)
+
+
+def restart_planner(planner: Any, groups: ParallelGroups, resume: CheckpointState | None, session: str, *,
+                    timeout_s: float | None) -> None:
+    """World rank 0: `planner` plans from the checkpoint's cursor (or the start) for this group's shape."""
+    import ray
+
+    resumed = resume.step if resume else 0
     start = Cursor(epoch=resume.epoch, rows=resume.rows) if resume else Cursor(epoch=0, rows=0)
-    restart = settings.planner.restart.remote(session, start, resumed + 1, groups.dp_size, groups.spares)
-    ray.get(restart, timeout=settings.planner_timeout_s)
+    restart = planner.restart.remote(session, start, resumed + 1, groups.dp_size, groups.spares)
+    ray.get(restart, timeout=timeout_s)
+
+
+def parallel_groups(settings: WorkerSettings, device: Any) -> ParallelGroups:
+    """This worker's DP x CP groups with the run's collective timeout (collective: every rank alike)."""
+    return ParallelGroups.create(settings.cp_size, device=device,
+                                 attention_backend=settings.model.attention_backend,
+                                 timeout=timedelta(seconds=settings.collective_timeout_s))
+
+
+def zero_groups(settings: WorkerSettings) -> ZeroGroups:
+    """ZeRO-2's groups with the run's collective timeout; create once per worker, share with every engine."""
+    return ZeroGroups.create(timedelta(seconds=settings.collective_timeout_s))
 
 
 def _engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, checkpoint: Any,
             resume: CheckpointState | None, local_rank: int) -> Any:
     """Build the engine and load the checkpoint into it; another world size goes through universal."""
+    zero = zero_groups(settings)
     if resume is None:
-        return build_engine(settings.model, settings.deepspeed, device, settings.seed)
+        return build_engine(settings.model, settings.deepspeed, device, settings.seed, zero)
     if resume.world_size == groups.world_size:
-        engine = build_engine(settings.model, settings.deepspeed, device, settings.seed)
+        engine = build_engine(settings.model, settings.deepspeed, device, settings.seed, zero)
         with checkpoint.as_directory() as directory:
             engine.load_checkpoint(directory, tag=resume.tag)
         return engine
@@ -135,7 +163,7 @@ def _engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, check
             convert_to_universal(directory, resume, target)
     dist.barrier(group=groups.world_group)
     universal: DeepSpeedConfig = {**settings.deepspeed, "checkpoint": {"load_universal": True}}
-    engine = build_engine(settings.model, universal, device, settings.seed)
+    engine = build_engine(settings.model, universal, device, settings.seed, zero)
     engine.load_checkpoint(str(target), tag=f"{resume.tag}_universal")
     dist.barrier(group=groups.world_group)
     if local_rank == 0:
@@ -157,9 +185,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     settings: WorkerSettings = loop_config["settings"]
     context = ray.train.get_context()
     device = ray.train.torch.get_device()
-    groups = ParallelGroups.create(settings.cp_size, device=device,
-                                   attention_backend=settings.model.attention_backend,
-                                   timeout=timedelta(seconds=settings.collective_timeout_s))
+    groups = parallel_groups(settings, device)
     checkpoint = ray.train.get_checkpoint()
     resume = resume_point(checkpoint)
     session = uuid.uuid4().hex  # only world rank 0's is used: it names this start of the worker group
@@ -176,19 +202,30 @@ def _train(settings: WorkerSettings, engine: Any, groups: ParallelGroups, device
            session: str, is_rank0: bool) -> None:
     """Steps resumed+1 .. total_steps: fetch, step, log window, report (with a checkpoint when due)."""
     planner = PlannerClient(settings.planner, timeout_s=settings.planner_timeout_s)
-    dp_rank, cp_rank = (-1, 0) if groups.is_spare else (groups.dp_rank, groups.cp_rank)
     window = MetricsWindow(spare=groups.is_spare)
     shape = {"world_size": groups.world_size, "dp_size": groups.dp_size, "cp_size": groups.cp_size,
              "spare_workers": groups.spares, "resumed_from_step": resumed, "session": session}
     last = settings.total_steps
     for step in range(resumed + 1, last + 1):
-        fetched = planner.fetch(step, dp_rank, cp_rank)
-        stats = run_step(engine, fetched.payload, groups, device=device,
-                         loss_chunk_tokens=settings.loss_chunk_tokens)
-        window.add(fetched, stats.loss_sum, engine.get_global_grad_norm(), stats.compute_s)
+        fetched, _ = fetch_and_step(settings, planner, engine, groups, device, window, step)
         if is_rank0:
             _append_samples(settings.run_dir, fetched.payload)
         save = step == last or bool(settings.checkpoint_every and step % settings.checkpoint_every == 0)
         if save or step % settings.log_every == 0:
             metrics = [m | shape for m in window.flush(groups.world_group)]
             _report(metrics, engine, fetched.payload, groups, save=save)
+
+
+def fetch_and_step(settings: WorkerSettings, planner: PlannerClient, engine: Any, groups: ParallelGroups,
+                   device: Any, window: MetricsWindow, step: int) -> tuple[Fetched, StepStats]:
+    """One step: wait for this rank's payload, run it on `engine`, add the step to the metrics window.
+
+    The window keeps the two timers every report is made of: the planner wait (Fetched.wait_s) and the
+    compute time of the step on this rank (StepStats.compute_s). A spare rank asks as dp_rank -1.
+    """
+    dp_rank, cp_rank = (-1, 0) if groups.is_spare else (groups.dp_rank, groups.cp_rank)
+    fetched = planner.fetch(step, dp_rank, cp_rank)
+    stats = run_step(engine, fetched.payload, groups, device=device,
+                     loss_chunk_tokens=settings.loss_chunk_tokens)
+    window.add(fetched, stats.loss_sum, engine.get_global_grad_norm(), stats.compute_s)
+    return fetched, stats

@@ -1,4 +1,5 @@
-"""`python -m app bench planner|compute|attention`: planning latency, compute profile, DACP overlap.
+"""`python -m app bench planner|compute|attention|train`: planning latency, compute profile, DACP overlap,
+measured training step time of the scheduling policies (`bench train`, app/commands/bench_train.py).
 
 `bench planner` times GDS + DACP (the skrull policy) on one global batch of synthetic LMsysChat1M-like
 lengths for (sequences, ranks) = (64, 8), (256, 32), (1024, 128), (4096, 1024), with CP = 8 (so DP =
@@ -12,7 +13,7 @@ import argparse
 import json
 import time
 
-from app.commands import bench_attention, bench_compute
+from app.commands import bench_attention, bench_compute, bench_train
 
 CASES = ((64, 8), (256, 32), (1024, 128), (4096, 1024))
 CP_SIZE = 8
@@ -31,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     attention = sub.add_parser("attention", help="DACP attention: local/ring overlap on CPU (gloo)")
     bench_attention.add_arguments(attention)  # stdlib-only at import: torch loads when it runs
     attention.set_defaults(_bench=bench_attention.run)
+    train = sub.add_parser("train", help="measured step time of scheduling policies on the same global "
+                                         "batches, interleaved in one Ray Train worker group")
+    bench_train.add_arguments(train)  # stdlib-only at import: Ray, torch and DeepSpeed load when it runs
+    train.set_defaults(_bench=bench_train.run)
 
 
 def planner_latency(sequences: int, ranks: int, repeats: int) -> dict[str, float]:

@@ -51,7 +51,7 @@ def _device_name(device) -> str:
 
 def measure(args: argparse.Namespace) -> dict:
     from app.commands.common import config_from_args
-    from app.hardware import cost_model_from_config
+    from app.hardware import cost_model
     from app.model_args import model_spec
     from scheduling.calibrate import fit_compute
     from workers.tools.profile_compute import compute_cases, measure_compute
@@ -59,7 +59,7 @@ def measure(args: argparse.Namespace) -> dict:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     config = config_from_args(args)
-    cost = cost_model_from_config(config.model, config.hardware)
+    cost = cost_model(config)
     device = _device(args.device)
     model = model_spec(config.model, config.train, tokenizer=config.data.tokenizer).build().to(device)
     model.train()

@@ -16,11 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.hardware import cost_model_from_config
+    from app.hardware import cost_model
     from app.plan_report import format_table, plan_dry_run, plot_ranks
 
     config = config_from_args(args)
-    cost = cost_model_from_config(config.model, config.hardware)
+    cost = cost_model(config)
     runs, summary, too_long = plan_dry_run(config, cost)
     if args.plot:
         plot_ranks(runs, args.plot)

@@ -91,7 +91,8 @@ def _check_memory(args: argparse.Namespace, cfg: SkrullConfig, model: str, lengt
     from app.hardware import model_dims
 
     dims_model = dataclasses.replace(cfg.model, name_or_path=model)
-    hidden, _, layers = model_dims(dims_model)
+    dims = model_dims(dataclasses.replace(dims_model, vocab_size=dims_model.vocab_size or 1))
+    hidden, layers = dims.hidden_size, dims.num_layers
     vocab = cfg.model.vocab_size or (TINY_DEFAULTS["vocab_size"] if is_tiny_preset(model) else 151936)
     need = estimate_peak_bytes(hidden=hidden, layers=layers, vocab=vocab, lengths=lengths, cp=args.cp)
     have = psutil.virtual_memory().available

@@ -1,0 +1,245 @@
+"""`python -m app profile`: measure this machine with the configured model and write a hardware profile.
+
+Runs workers/tools/profile_run.py on parallel.num_workers local processes (the minimum of an elastic
+range, at most the visible GPUs; gloo on CPU, NCCL on CUDA), with the config's model, dtype and attention
+backend, then fits every term of the cost model (scheduling/cost.py) to what was measured:
+
+    compute     T(F) = F * train_flops_factor / (peak_flops * mfu) + b(W), F the scheduling.cost_formula
+                FLOPs of each case (label tokens included), timed through the DeepSpeed engine as a
+                training micro-batch -> mfu, micro_batch_launch_s = b(W) - the measured reduction
+    ring        t(bytes) = max(latency, bytes / bandwidth) (T_comm's form) on the CP group, over messages
+                around the model's per-layer K/V shard -> intra_node_latency_s / _bandwidth
+    overlap     the share of min(ring, local attention) the ring hides when run beside it -> ring_overlap
+    reduce      ZeRO-2's per-micro-batch gradient all-reduce (2 ring passes) of P parameters over W
+                ranks -> grad_reduce_passes = 2, grad_reduce_bandwidth = 2 (W-1)/W * P * bytes / t
+    optimizer   engine.step() / (P / W) -> optimizer_s_per_param
+    memory      peak bytes = alpha * tokens + c -> activation_bytes_per_hidden = alpha / (L * h), and the
+                BucketSize that fits the memory budget
+
+Every fit's largest relative residual is printed; over 15% is a warning naming the term. Fields not
+measured here (peak_flops, inter-node links, gpus_per_node, device memory) keep the configured profile's
+values. One node only: the inter-node bandwidth of a multi-node cluster is not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from app.commands.common import add_config_arguments, add_json_argument, config_from_args
+
+RESIDUAL_WARNING = 0.15
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    add_json_argument(parser)
+    parser.add_argument("--out", default=None, metavar="YAML",
+                        help="write the fitted profile here (e.g. configs/hardware/NAME.yaml)")
+    parser.add_argument("--name", default=None, help="profile name (default: the --out file's stem)")
+    parser.add_argument("--repeats", type=int, default=7,
+                        help="timed passes per measurement, after a warm-up")
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="largest compute stream in tokens (default: scheduling.bucket_size)")
+
+
+def compute_cases(max_tokens: int) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """Streams of T = max_tokens/8 .. max_tokens as 1 sequence, 8 sequences or sequences of <= 128
+    tokens, each with every token labeled and with 30% labeled: the fit sees the S^2 term, the linear
+    terms and the LM head apart."""
+    cases = []
+    for divisor in (8, 4, 2, 1):
+        tokens = max(32, max_tokens // divisor)
+        short = min(128, tokens)
+        for lengths in ((tokens,), (tokens // 8,) * 8, (short,) * max(1, tokens // short)):
+            for fraction in (1.0, 0.3):
+                if (lengths, fraction) not in cases:
+                    cases.append((lengths, fraction))
+    return tuple(cases)
+
+
+def _settings(config: Any, args: argparse.Namespace, on_gpu: bool) -> Any:
+    from app.deepspeed_config import deepspeed_config
+    from app.hardware import cost_model
+    from app.model_args import model_spec
+    from workers.tools.profile_run import ProfileSettings
+
+    max_tokens = args.max_tokens or config.scheduling.bucket_size
+    cost = cost_model(config)
+    return ProfileSettings(
+        model=model_spec(config.model, config.train, tokenizer=config.data.tokenizer),
+        deepspeed=deepspeed_config(config.train, dtype=config.model.dtype, on_gpu=on_gpu),
+        cp_size=config.parallel.cp_size, cases=compute_cases(max_tokens),
+        memory_cases=tuple((max(32, max_tokens // d),) for d in (8, 4, 2, 1)),
+        kv_hidden_size=cost.kv_hidden_size, repeats=args.repeats,
+        loss_chunk_tokens=config.train.loss_chunk_tokens, timeout_s=config.train.collective_timeout_s,
+        seed=config.train.seed)
+
+
+def _world_size(config: Any, on_gpu: bool) -> int:
+    import torch
+
+    workers = config.parallel.worker_range[0]
+    if on_gpu:
+        workers = min(workers, torch.cuda.device_count())
+    if workers < config.parallel.cp_size:
+        raise SystemExit(f"profile: {workers} local worker(s) cannot hold one CP group of parallel.cp_size="
+                         f"{config.parallel.cp_size}")
+    return workers
+
+
+def measure(config: Any, args: argparse.Namespace) -> dict:
+    import torch
+
+    from workers.tools.launch import run_workers
+    from workers.tools.profile_run import profile_rank
+
+    on_gpu = torch.cuda.is_available()
+    world = _world_size(config, on_gpu)
+    results = run_workers(profile_rank, world_size=world, args=(_settings(config, args, on_gpu),))
+    raw = results[0]
+    raw["device"] = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()} cpu x{_cores()}"
+    return raw
+
+
+def _cores() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
+
+def fit_profile(config: Any, raw: dict) -> tuple[dict[str, float], dict[str, float]]:
+    """(measured profile fields, largest relative residual per fit) from profile_rank's rows."""
+    from app.hardware import cost_model
+    from scheduling.calibrate import fit_compute, fit_linear, fit_two_regime
+
+    cost = cost_model(config)
+    profile = cost.profile
+    rows = raw["compute"]
+    flops = [float(sum(cost.flops(n, lab) for n, lab in zip(r["lengths"], r["labels"], strict=True)))
+             for r in rows]
+    compute = fit_compute(flops, [r["seconds_median"] for r in rows], profile)
+    fields = {"mfu": compute.mfu, "micro_batch_launch_s": compute.micro_batch_launch_s}
+    residuals = {"compute": compute.max_rel_residual}
+    if "ring" in raw:
+        # The fastest of the repeats: what the link does; scheduling noise on a shared host lands in the
+        # medians of single small transfers (a 64 KiB step measured 0.43 ms min, 3.5 ms median).
+        link = fit_two_regime([r["bytes"] for r in raw["ring"]], [r["seconds_min"] for r in raw["ring"]])
+        fields.update(intra_node_latency_s=max(link.latency_s, 1e-7), intra_node_bandwidth=link.bandwidth,
+                      ring_overlap=float(raw["overlap"]["overlap"]))
+        residuals["ring"] = link.max_rel_residual
+    world = raw["world_size"]
+    if "reduce" in raw:
+        reduce = raw["reduce"]
+        moved = 2.0 * (world - 1) / world * reduce["bytes"]  # all_reduce: 2 ring passes of the data
+        fields.update(grad_reduce_passes=2.0, grad_bytes_per_param=reduce["bytes"] / reduce["params"],
+                      grad_reduce_bandwidth=moved / reduce["seconds_median"])
+        # The compute cases ran through the engine, so their intercept is b(W) = launch + the reduction
+        # at this world size; the profile keeps the two apart (b is re-derived for other world sizes).
+        fields["micro_batch_launch_s"] = max(compute.intercept_s - reduce["seconds_median"], 0.0)
+    optimizer = raw["optimizer"]
+    fields["optimizer_s_per_param"] = optimizer["seconds_median"] * world / optimizer["params"]
+    memory = fit_linear([r["tokens"] for r in raw["memory"]],
+                        [max(r["peak_bytes"], 1) for r in raw["memory"]])
+    fields["activation_bytes_per_hidden"] = max(memory.slope, 1.0) / (cost.num_layers * cost.hidden_size)
+    residuals["memory"] = memory.max_rel_residual
+    return fields, residuals
+
+
+def _bucket_size(config: Any, raw: dict, fields: dict[str, float]) -> int | None:
+    """C = (memory per worker - weights, gradients, Adam states) / activation bytes per token."""
+    from app.hardware import cost_model
+    from scheduling.cost import bucket_size_from_memory
+
+    cost = cost_model(config)
+    world, params = raw["world_size"], raw["params"]
+    per_token = fields["activation_bytes_per_hidden"] * cost.num_layers * cost.hidden_size
+    element = 2 if config.model.dtype == "bf16" else 4
+    static = params * (2 * element + 12 / world)  # weights + gradients, fp32 Adam (m, v, master) / W
+    memory = cost.profile.device_memory_bytes
+    if not raw["device"].startswith(("NVIDIA", "AMD")):
+        memory /= world  # CPU workers share the host's memory
+    try:
+        return bucket_size_from_memory(device_memory_bytes=memory, static_memory_bytes=static,
+                                       activation_bytes_per_token=per_token, safety_bytes=0.1 * memory)
+    except ValueError:
+        return None
+
+
+def profile_yaml(config: Any, raw: dict, fields: dict[str, float], residuals: dict[str, float],
+                 name: str, command: str) -> str:
+    """The configured profile with the measured fields replaced, headed by how and when it was made."""
+    import dataclasses
+
+    from app.hardware import cost_model
+
+    base = dataclasses.asdict(cost_model(config).profile)
+    values = {**base, **fields, "name": name}
+    today = datetime.date.today().isoformat()
+    lines = [f"# Measured by `{command}` on {raw['device']}, {today},",
+             f"# {raw['world_size']} workers (CP {raw['cp_size']}), model {config.model.name_or_path} "
+             f"({raw['params']:,} parameters, {config.model.dtype}), scheduling.cost_formula="
+             f"{config.scheduling.cost_formula}.",
+             "# Fit residuals (largest relative): " + ", ".join(f"{k} {v:.1%}" for k, v in residuals.items()),
+             "# Fields without '# measured' are the base profile's "
+             f"({config.hardware.profile}): not measured by `profile`."]
+    for key, value in values.items():
+        text = value if isinstance(value, str) else (f"{value:.6g}" if isinstance(value, float) else value)
+        lines.append(f"{key}: {text}" + ("  # measured" if key in fields else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _print(raw: dict, fields: dict[str, float], residuals: dict[str, float], bucket: int | None) -> None:
+    print(f"profile: {raw['device']}, {raw['world_size']} workers (CP {raw['cp_size']}), "
+          f"{raw['params']:,} parameters")
+    for key, value in fields.items():
+        print(f"  {key:<28} {value:.4g}")
+    for term, residual in residuals.items():
+        flag = "  WARNING: over 15%" if residual > RESIDUAL_WARNING else ""
+        print(f"  fit residual {term:<15} {residual:.1%}{flag}")
+    if "overlap" in raw:
+        o = raw["overlap"]
+        print(f"  ring beside local attention: ring {o['comm_s'] * 1e3:.2f} ms, attention "
+              f"{o['compute_s'] * 1e3:.2f} ms, both {o['both_s'] * 1e3:.2f} ms -> overlap {o['overlap']:.2f}")
+    if bucket is not None:
+        print(f"  BucketSize for the memory budget: scheduling.bucket_size <= {bucket:,} tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    config = config_from_args(args)
+    raw = measure(config, args)
+    fields, residuals = fit_profile(config, raw)
+    bucket = _bucket_size(config, raw, fields)
+    for term, residual in residuals.items():
+        if residual > RESIDUAL_WARNING:
+            print(f"warning: the {term} fit's largest residual is {residual:.0%} (> 15%): the cost model's "
+                  f"{term} term describes this machine poorly", file=sys.stderr)
+    name = args.name or (Path(args.out).stem if args.out else "measured")
+    command = "python -m app " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["profile"] else \
+        f"python -m app profile --config {args.config}"
+    text = profile_yaml(config, raw, fields, residuals, name, command)
+    if args.out:
+        out = Path(args.out)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(out)  # never a half-written profile
+    if args.json:
+        print(json.dumps({"profile": fields, "residuals": residuals, "bucket_size": bucket, "raw": raw},
+                         default=_jsonable))
+        return 0
+    _print(raw, fields, residuals, bucket)
+    if args.out:
+        print(f"profile written to {args.out}")
+    return 0
+
+
+def _jsonable(value: Any) -> Any:
+    return None if isinstance(value, float) and math.isnan(value) else str(value)

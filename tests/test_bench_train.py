@@ -1,0 +1,102 @@
+"""`bench train`: every policy trains the same global batches in one worker group, interleaved.
+
+The smoke test runs the real command (`python -m app bench train --json --plot`) on the tiny CPU config with
+the benchmark's small vocabulary (so no LM head of 152k words dominates), 8 sequences of ~45 tokens a step,
+1 warm-up + 2 counted steps of four policies: one Ray session, ~65 s on 2 cores (Ray, Ray Data, the worker
+group and 4 engines per worker start once; the steps themselves take ~0.2 s).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from app.__main__ import main
+from app.commands.bench_train import BASELINES, format_report, json_safe, plot_bench, summarize
+
+REPO = Path(__file__).resolve().parent.parent
+POLICIES = ("skrull", "static_cp_packed", "static_cp", "sorted")
+PUBLIC_KEYS = {"step_s_median", "tokens_per_s", "predicted_step_s", "prediction_error",
+               "speedup_vs_static_cp_packed", "speedup_vs_static_cp", "speedup_vs_sorted",
+               "planner_wait_s_median"}
+TINY = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--set", "data.num_samples=24",
+        "--set", "data.length_scale=0.1", "--set", "scheduling.global_batch_size=8",
+        "--set", f"data.tokenizer={REPO / 'configs/bench/synth-bpe-773.json'}"]
+
+
+def test_bench_train_json_smoke(local_ray, tmp_path: Path, capsys) -> None:
+    plot = tmp_path / "bench.png"
+    argv = ["bench", "train", *TINY, "--set", f"run.storage_path={tmp_path / 'runs'}",
+            "--policies", ",".join(POLICIES), "--steps", "2", "--json", "--plot", str(plot)]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = result["policies"]
+    assert list(rows) == list(POLICIES)
+    for policy, row in rows.items():
+        assert set(row) >= PUBLIC_KEYS, (policy, PUBLIC_KEYS - set(row))
+        assert row["steps"] == 2 and row["step_s_median"] > 0 and row["tokens_per_s"] > 0
+        assert row["predicted_step_s"] > 0
+        assert row["prediction_error"] == pytest.approx(row["predicted_step_s"] / row["step_s_median"] - 1)
+        for baseline in BASELINES:
+            expected = rows[baseline]["step_s_median"] / row["step_s_median"]
+            assert row[f"speedup_vs_{baseline}"] == pytest.approx(expected)
+    # Step n of every policy is the same global batch (the warm-up step 1 is left out) ...
+    per_step = [row["per_step"] for row in rows.values()]
+    assert all(steps["step"] == [2, 3] for steps in per_step)
+    assert all(steps["sample_ids"] == per_step[0]["sample_ids"] for steps in per_step)
+    assert per_step[0]["sample_ids"] == [list(range(8, 16)), list(range(16, 24))]
+    assert result["same_samples"] is True
+    # ... and scheduling never changes a step's math: fp32 losses agree up to summation order.
+    for steps in per_step[1:]:
+        assert steps["loss"] == pytest.approx(per_step[0]["loss"], rel=1e-4)
+    assert plot.stat().st_size > 0
+    assert (Path(result["run_dir"]) / "bench_train.json").exists()
+
+
+def test_unknown_policy_is_one_error_naming_the_valid_ones(tmp_path: Path, capsys) -> None:
+    plot = tmp_path / "bench.png"
+    argv = ["bench", "train", *TINY, "--set", f"run.storage_path={tmp_path / 'runs'}",
+            "--policies", "skrull,static_cp_pakced", "--plot", str(plot)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--policies" in err and "'static_cp_pakced'" in err
+    assert "static_cp_packed" in err and "gds_only" in err  # the registry's names
+    assert not plot.exists() and not (tmp_path / "runs").exists()  # nothing half-written
+
+
+def _record(policy: str, step: int, step_s: float, *, warmup: bool = False) -> dict:
+    return {"policy": policy, "step": step, "warmup": warmup, "step_s": step_s, "tokens": 100,
+            "predicted_step_s": math.nan, "planner_wait_s": 0.01, "compute_imbalance": 1.0,
+            "rank_compute_s": [step_s, step_s / 2], "rank_cpu_s": [1.0, 1.0],
+            "rank_predicted_busy_s": [0.5, 0.5], "rank_wait_s": [0.01, 0.01], "micro_batches": 2,
+            "loss": 5.0, "sample_ids": [step], "torch_threads": 1}
+
+
+def test_summary_medians_ratios_and_missing_baselines(tmp_path: Path) -> None:
+    """Warm-up left out, medians, tokens/s from the median, null where a baseline or prediction is missing;
+    the table and the plot cope with both."""
+    records = [_record(p, 1, 100.0, warmup=True) for p in ("skrull", "sorted")]
+    records += [_record("skrull", s, t) for s, t in ((2, 1.0), (3, 3.0), (4, 2.0))]
+    records += [_record("sorted", s, t) for s, t in ((2, 4.0), (3, 4.0), (4, 5.0))]
+    config = SimpleNamespace(parallel=SimpleNamespace(dp_size=1, cp_size=2),
+                             scheduling=SimpleNamespace(bucket_size=64, global_batch_size=4))
+    machine = {"cpus": 2, "load_avg_1_5_15_min": [1.0, 0.5, 0.2]}
+    run = SimpleNamespace(policies=("skrull", "sorted"), records=records, steps=3, warmup_steps=1, wall_s=1.0,
+                          run_dir="r", machine=machine, config=config)
+    summary = summarize(run)
+    rows = summary["policies"]
+    skrull = rows["skrull"]
+    assert skrull["step_s_median"] == 2.0 and skrull["tokens_per_s"] == 50.0
+    assert skrull["speedup_vs_sorted"] == 2.0 and rows["sorted"]["speedup_vs_sorted"] == 1.0
+    assert skrull["speedup_vs_static_cp"] is None and skrull["speedup_vs_static_cp_packed"] is None
+    assert skrull["predicted_step_s"] is None and skrull["prediction_error"] is None
+    assert skrull["busy_s_per_rank"] == [2.0, 1.0] and skrull["busy_imbalance"] == pytest.approx(4 / 3)
+    assert skrull["paired_speedup_vs_sorted"] == 2.5  # median of 4/1, 4/3, 5/2
+    assert "skrull: 2.00x vs sorted" in format_report(summary)
+    assert json.loads(json.dumps(json_safe(summary)))["policies"]["skrull"]["predicted_step_s"] is None
+    plot_bench(summary, str(tmp_path / "summary.png"))
+    assert (tmp_path / "summary.png").stat().st_size > 0

@@ -1,0 +1,170 @@
+"""The measurements behind `python -m app profile`, run on every rank of one local process group.
+
+Every rank builds the configured model (same spec, dtype and attention backend as a training worker)
+and, all ranks at once as in training (on a CPU host they share its cores, as training workers do):
+
+    compute     forward+backward of packed single-rank streams over a grid of sizes, sequence mixes and
+                label fractions through the DeepSpeed engine, as a training micro-batch runs (ZeRO-2's
+                hooks and per-micro-batch gradient all-reduce included; workers/tools/profile_compute.py);
+                per case the slowest rank's median
+    ring        one ring step of the CP group (the DACP attention's RingComm) over message sizes
+    overlap     a ring step of a layer's K/V shard beside the local attention of a packed stream, as the
+                DACP attention runs them (started ring, local attention, wait)
+    reduce      one micro-batch's ZeRO-2 gradient reduction of the model's parameters over all ranks
+    optimizer   DeepSpeed's `engine.step()` (ZeRO-2 partitioned Adam + parameter all-gather)
+    memory      peak memory of forward+backward above the memory before it, per stream size
+
+The returned rows are raw: app/commands/profile.py fits them into a hardware profile.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workers.distributed import ParallelGroups
+from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
+from workers.models import ModelSpec
+from workers.step import synchronize
+from workers.tools.profile_comm import measure_grad_reduce, measure_overlap, measure_ring
+from workers.tools.profile_compute import label_tokens, time_micro_batch
+from workers.tools.profile_memory import measure_activation_memory
+
+
+def ring_sizes(layer_kv_bytes: int) -> tuple[int, ...]:
+    """Messages from 1/256 to 4x a full bucket's per-layer K/V shard (at least 4 KiB): the sizes the DACP
+    ring of this model moves, from latency-bound to bandwidth-bound."""
+    return tuple(sorted({max(4096, int(layer_kv_bytes * 4.0**k)) for k in range(-4, 2)}))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileSettings:
+    model: ModelSpec
+    deepspeed: DeepSpeedConfig
+    cp_size: int
+    cases: tuple[tuple[tuple[int, ...], float], ...]
+    """(sequence lengths of one packed stream, label fraction) per compute case."""
+    memory_cases: tuple[tuple[int, ...], ...]
+    kv_hidden_size: int
+    repeats: int = 3
+    loss_chunk_tokens: int = 4096
+    timeout_s: float = 600.0
+    seed: int = 0
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The max over all ranks: a step waits for its slowest rank."""
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _compute_rows(engine: Any, s: ProfileSettings, groups: ParallelGroups,
+                  device: torch.device) -> list[dict]:
+    """Per case, the slowest rank's median micro-batch time through the DeepSpeed engine (what a training
+    micro-batch costs: forward, backward, ZeRO-2's hooks and gradient reduction over all ranks)."""
+    rows = []
+    for lengths, fraction in s.cases:
+        times = time_micro_batch(engine.module, lengths, repeats=s.repeats,
+                                 loss_chunk_tokens=s.loss_chunk_tokens,
+                                 runtime=groups.attention.single_rank(), label_fraction=fraction,
+                                 seed=s.seed, engine=engine)
+        rows.append({"lengths": list(lengths), "labels": label_tokens(lengths, fraction),
+                     "tokens": int(sum(lengths)), "label_fraction": fraction,
+                     "seconds_median": _slowest(statistics.median(times), device)})
+    return rows
+
+
+def _overlap_row(model: torch.nn.Module, s: ProfileSettings, groups: ParallelGroups, device: torch.device,
+                 ring: list[dict]) -> dict:
+    """The ring beside the local attention of the largest compute stream, with a message sized so that
+    the ring alone takes about as long as the attention alone: the overlap share is min-normalized, so a
+    ring far shorter than the compute would leave it to timing noise."""
+    tokens = max(sum(lengths) for lengths, _ in s.cases)
+    heads = model.config.num_attention_heads
+    head_dim = model.config.hidden_size // heads
+    kv_heads = model.config.num_key_value_heads
+    q = torch.randn(tokens, heads, head_dim, dtype=_dtype(model), device=device)
+    k = torch.randn(tokens, kv_heads, head_dim, dtype=_dtype(model), device=device)
+    cu = (0, tokens)
+    kernel = groups.attention.kernel
+
+    def local_attention() -> None:
+        kernel.forward(q, k, k, cu, cu, causal=True, scale=head_dim**-0.5)
+
+    kv_bytes = 2 * (tokens // s.cp_size) * s.kv_hidden_size * _element_size(model)
+    repeats = 2 * s.repeats + 1
+    first = measure_overlap(groups.attention.comm, kv_bytes, local_attention, repeats=repeats, device=device)
+    big, small = ring[-1], ring[0]
+    bandwidth = (big["bytes"] - small["bytes"]) / max(big["seconds_min"] - small["seconds_min"], 1e-9)
+    matched = int(min(max(first["compute_s"] * bandwidth, kv_bytes), ring[-1]["bytes"]))
+    row = measure_overlap(groups.attention.comm, matched, local_attention, repeats=repeats, device=device)
+    return {**row, "bytes": matched, "layer_kv_bytes": kv_bytes}
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _element_size(model: torch.nn.Module) -> int:
+    return torch.empty((), dtype=_dtype(model)).element_size()
+
+
+def _optimizer_step_s(engine: Any, s: ProfileSettings, device: torch.device) -> dict:
+    """Median seconds of engine.step() after one micro-batch (gradients present, as in training)."""
+    params = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    times = []
+    for _ in range(1 + s.repeats):
+        ids = torch.randint(0, engine.module.config.vocab_size, (1, 64), device=device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.set_gradient_accumulation_boundary(True)
+        engine.backward(loss)
+        synchronize(device)
+        started = time.perf_counter()
+        engine.step()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return {"params": params, "seconds_median": _slowest(statistics.median(times[1:]), device)}
+
+
+def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
+    """Every measurement on this rank (a `workers.tools.launch.run_workers` function)."""
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed's launcher check; one node, so equal
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    timeout = timedelta(seconds=s.timeout_s)
+    groups = ParallelGroups.create(s.cp_size, device=device, attention_backend=s.model.attention_backend,
+                                   timeout=timeout)
+    zero = ZeroGroups.create(timeout)
+    torch.manual_seed(s.seed)
+    model = s.model.build().to(device)
+    model.train()
+    params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    engine = build_engine(s.model, s.deepspeed, device, s.seed, zero)
+    result: dict[str, Any] = {
+        "world_size": world_size, "cp_size": s.cp_size, "params": params,
+        "compute": _compute_rows(engine, s, groups, device),
+        "memory": measure_activation_memory(model, s.memory_cases, device=device,
+                                            loss_chunk_tokens=s.loss_chunk_tokens,
+                                            runtime=groups.attention.single_rank()),
+    }
+    if groups.cp_group is not None and s.cp_size > 1:
+        bucket = max(sum(lengths) for lengths, _ in s.cases)
+        layer_kv = 2 * bucket * s.kv_hidden_size * _element_size(model)
+        result["ring"] = measure_ring(groups.attention.comm, ring_sizes(layer_kv), repeats=s.repeats,
+                                      dtype=_dtype(model), device=device)
+        result["overlap"] = _overlap_row(model, s, groups, device, result["ring"])
+    if world_size > 1:
+        bucket = int(s.deepspeed["zero_optimization"]["reduce_bucket_size"])
+        result["reduce"] = measure_grad_reduce(params, zero.data, dtype=_dtype(model), repeats=s.repeats,
+                                               device=device, bucket_elements=bucket)
+    result["optimizer"] = _optimizer_step_s(engine, s, device)
+    del model
+    return result
