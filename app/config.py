@@ -181,9 +181,11 @@ class SchedulingConfig:
     """Seed for policies with randomness (sorted batching's group order)."""
     planner_timeout_s: float = 600.0
     """A worker waiting longer than this for its next step's plan stops with the planner's own error."""
-    cost_formula: Literal["paper", "model"] = "paper"
-    """FLOPs per sequence for the plan: the paper's formula, or the model's own matrices (GQA, gated MLP,
-    causal attention, LM head on label tokens); scheduling/cost.py."""
+    cost_formula: Literal["paper", "model"] = "model"
+    """FLOPs per sequence for the plan: the model's own matrices (GQA, gated MLP, causal attention, LM head
+    on label tokens), or the paper's formula; scheduling/cost.py. `model` is the default because it fits
+    measured time better where the LM head matters (tiny-cpu: compute residual 9% vs 71%,
+    docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         from scheduling import POLICIES  # the policy registry is the one list of names

@@ -17,7 +17,9 @@ model's central assumption (the paper's a*F + b).
 
 The other halves of the profile are lines too, fitted by the same least squares (`fit_linear`):
 activation memory peak_bytes = slope * tokens + intercept (slope: bytes per token), and a link's
-alpha-beta model t = latency + bytes / bandwidth (`fit_link`, relative weights since sizes span decades).
+alpha-beta model t = latency + bytes / bandwidth (`fit_link`, relative weights since sizes span decades),
+or the cost model's own ring-step form t = max(latency, bytes / bandwidth) (`fit_two_regime`, minimax).
+Whole training steps fit one factor k against the modeled steps (`fit_step_scale`).
 """
 
 from __future__ import annotations
@@ -109,15 +111,19 @@ def fit_linear(x: Sequence[float], y: Sequence[float], *, relative: bool = False
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkFit:
-    """t(bytes) = latency_s + bytes / bandwidth, fitted by `fit_link`."""
+    """A link's time per transfer: t(bytes) = latency_s + bytes / bandwidth (alpha-beta, `fit_link`), or
+    with `two_regime` max(latency_s, bytes / bandwidth) (the cost model's ring step, `fit_two_regime`)."""
 
     latency_s: float
     bandwidth: float
     """Bytes per second."""
     max_rel_residual: float
     """max_i |t(bytes_i) - t_i| / t_i of this (latency-clipped) model."""
+    two_regime: bool = False
 
     def predict(self, nbytes: float) -> float:
+        if self.two_regime:
+            return max(self.latency_s, nbytes / self.bandwidth)
         return self.latency_s + nbytes / self.bandwidth
 
 
@@ -162,4 +168,34 @@ def fit_two_regime(nbytes: Sequence[float], seconds: Sequence[float]) -> LinkFit
             if best is None or residual < best[0]:
                 best = (residual, float(latency), float(bandwidth))
     assert best is not None
-    return LinkFit(latency_s=best[1], bandwidth=best[2], max_rel_residual=best[0])
+    return LinkFit(latency_s=best[1], bandwidth=best[2], max_rel_residual=best[0], two_regime=True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepScaleFit:
+    """measured step ~= scale * the isolated terms' predicted step, fitted by `fit_step_scale`."""
+
+    scale: float
+    max_rel_residual: float
+    """max_i |scale * predicted_i - measured_i| / measured_i: how well whole steps are predicted after."""
+    max_rel_residual_before: float
+    """The same with scale 1: how far the isolated measurements alone predict whole steps."""
+
+
+def fit_step_scale(predicted: Sequence[float], measured: Sequence[float]) -> StepScaleFit:
+    """The factor k minimizing sum_i ((k p_i - m_i) / m_i)^2, i.e. k = sum(p/m) / sum((p/m)^2).
+
+    Whole training steps can run slower than the sum of their parts timed in isolation (each part repeats
+    one shape on warm caches; a real step varies shapes, crosses the accumulation boundary, touches the
+    optimizer state). Every term of the cost model is homogeneous of degree 1 in time (compute, launch,
+    latency x k; bandwidths / k), so scaling them all by k scales every modeled step by exactly k and
+    leaves every planning decision (argmins of modeled time) unchanged.
+    """
+    p = np.asarray(predicted, dtype=np.float64)
+    m = np.asarray(measured, dtype=np.float64)
+    if p.shape != m.shape or p.size < 1 or np.any(p <= 0) or np.any(m <= 0):
+        raise ValueError("fit_step_scale needs at least one step with positive predicted and measured times")
+    ratio = p / m
+    scale = float(ratio.sum() / (ratio**2).sum())
+    return StepScaleFit(scale=scale, max_rel_residual=float(np.max(np.abs(scale * ratio - 1))),
+                        max_rel_residual_before=float(np.max(np.abs(ratio - 1))))

@@ -13,6 +13,9 @@ from app.__main__ import main
 from app.commands.profile import compute_cases, fit_profile
 from app.config import load_config
 from app.hardware import cost_model, load_hardware_profile
+from app.profile_steps import STEP_POLICIES, fitted_cost, planned_steps, scaled_fields
+from scheduling import simulate
+from scheduling.calibrate import fit_step_scale, fit_two_regime
 
 TRUTH = {"mfu": 0.2, "micro_batch_launch_s": 0.004, "intra_node_latency_s": 1e-4,
          "intra_node_bandwidth": 2e9, "ring_overlap": 0.6, "grad_reduce_bandwidth": 1e9,
@@ -57,20 +60,76 @@ def test_the_fits_recover_the_machine_that_made_the_measurements() -> None:
     assert max(residuals.values()) < 1e-6
 
 
+def test_whole_steps_slower_than_their_parts_scale_every_time_term() -> None:
+    config = load_config("configs/tiny-cpu.yaml", TINY)
+    raw = _raw(config)
+    isolated, _ = fit_profile(config, raw)
+    steps = planned_steps(config, cost_model(config), num_batches=2, world_size=2)
+    assert [s.policy for s in steps] == list(STEP_POLICIES) * 2
+    truth = fitted_cost(cost_model(config), isolated)
+    raw["steps"] = [1.3 * simulate(s.plan, s.lengths, truth, labels=s.labels).total_s for s in steps]
+    fields, residuals = fit_profile(config, raw, steps)
+    assert raw["step_fit"]["scale"] == pytest.approx(1.3, rel=1e-9)
+    assert raw["step_fit"]["max_rel_residual_before"] == pytest.approx(0.3 / 1.3, rel=1e-9)
+    assert residuals["step"] < 1e-9
+    assert fields["mfu"] == pytest.approx(TRUTH["mfu"] / 1.3, rel=1e-6)
+    assert fields["micro_batch_launch_s"] == pytest.approx(TRUTH["micro_batch_launch_s"] * 1.3, rel=1e-6)
+    assert fields["ring_overlap"] == TRUTH["ring_overlap"]  # a share, not a time
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.7])
+def test_scaling_every_time_term_scales_every_modeled_step_exactly(scale: float) -> None:
+    # fit_step_scale's premise: the cost model is homogeneous of degree 1 in time.
+    config = load_config("configs/tiny-cpu.yaml", TINY)
+    base = fitted_cost(cost_model(config), TRUTH)
+    scaled = fitted_cost(cost_model(config), scaled_fields(TRUTH, scale))
+    for step in planned_steps(config, base, num_batches=2, world_size=2):
+        a = simulate(step.plan, step.lengths, base, labels=step.labels)
+        b = simulate(step.plan, step.lengths, scaled, labels=step.labels)
+        assert b.total_s == pytest.approx(scale * a.total_s, rel=1e-9)
+        assert b.rank_busy_s[0] == pytest.approx(tuple(scale * t for t in a.rank_busy_s[0]), rel=1e-9)
+
+
+def test_fit_step_scale_minimizes_the_relative_error() -> None:
+    predicted, measured = [1.0, 2.0, 4.0], [1.2, 2.6, 4.4]
+    fit = fit_step_scale(predicted, measured)
+    pairs = list(zip(predicted, measured, strict=True))
+    grid = [1.0 + i * 1e-4 for i in range(5000)]  # brute force over k in [1, 1.5)
+    best = min(grid, key=lambda k: sum((k * p / m - 1) ** 2 for p, m in pairs))
+    assert fit.scale == pytest.approx(best, abs=1e-4)
+    assert fit.max_rel_residual == pytest.approx(max(abs(fit.scale * p / m - 1) for p, m in pairs))
+    with pytest.raises(ValueError, match="positive"):
+        fit_step_scale([1.0], [0.0])
+
+
 def test_profile_measures_this_machine_and_writes_a_loadable_profile(tmp_path: Path, capsys) -> None:
     out = tmp_path / "measured.yaml"
     sets = [part for s in TINY for part in ("--set", s)]
     assert main(["profile", "--config", "configs/tiny-cpu.yaml", *sets, "--max-tokens", "1024",
-                 "--repeats", "1", "--out", str(out), "--json"]) == 0
+                 "--repeats", "1", "--steps", "1", "--out", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result["residuals"]) == {"compute", "ring", "memory"}
+    assert set(result["residuals"]) == {"compute", "ring", "memory", "step"}
     raw = result["raw"]
-    assert len(raw["ring"]) == 7 and raw["overlap"]["both_s"] > 0 and raw["optimizer"]["seconds_median"] > 0
+    assert len(raw["steps"]) == len(STEP_POLICIES) and min(raw["steps"]) > 0
+    assert raw["step_fit"]["scale"] > 0
+    sizes = [row["bytes"] for row in raw["ring"]]
+    assert len(sizes) >= 3 and sizes == sorted(set(sizes))
+    assert raw["overlap"]["both_s"] > 0 and raw["optimizer"]["seconds_median"] > 0
     profile = load_hardware_profile(str(out))
     assert profile.name == "measured"
     for key in ("mfu", "intra_node_bandwidth", "ring_overlap", "optimizer_s_per_param"):
         assert getattr(profile, key) == pytest.approx(result["profile"][key], rel=1e-5), key
     assert "# Measured by `python -m app profile" in out.read_text()
+    assert "whole training steps ran" in out.read_text()
     # the profile drives a plan like any other
     assert main(["plan", "--config", "configs/tiny-cpu.yaml", *sets, "--set", f"hardware.profile={out}",
                  "--set", "plan.num_batches=1", "--json"]) == 0
+
+
+def test_fit_two_regime_recovers_the_ring_step_form_and_predicts_with_it() -> None:
+    sizes = [4096, 65536, 1 << 20, 1 << 24]
+    seconds = [max(1e-4, b / 2e9) for b in sizes]
+    link = fit_two_regime(sizes, seconds)
+    assert link.two_regime and link.max_rel_residual < 1e-9
+    assert link.latency_s == pytest.approx(1e-4) and link.bandwidth == pytest.approx(2e9)
+    assert [link.predict(b) for b in sizes] == pytest.approx(seconds)

@@ -15,6 +15,9 @@ backend, then fits every term of the cost model (scheduling/cost.py) to what was
     optimizer   engine.step() / (P / W) -> optimizer_s_per_param
     memory      peak bytes = alpha * tokens + c -> activation_bytes_per_hidden = alpha / (L * h), and the
                 BucketSize that fits the memory budget
+    steps       --steps global batches of the run's lengths, planned by skrull, static_cp_packed and
+                static_cp, trained as whole steps -> k = measured / modeled (least squares in relative
+                error), and every time term above is scaled by k (app/profile_steps.py)
 
 Every fit's largest relative residual is printed; over 15% is a warning naming the term. Fields not
 measured here (peak_flops, inter-node links, gpus_per_node, device memory) keep the configured profile's
@@ -45,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="profile name (default: the --out file's stem)")
     parser.add_argument("--repeats", type=int, default=7,
                         help="timed passes per measurement, after a warm-up")
+    parser.add_argument("--steps", type=int, default=2, metavar="N",
+                        help="global batches of the run's lengths trained as whole steps, each planned by "
+                             "skrull, static_cp_packed and static_cp, to fit the step scale (0: none)")
     parser.add_argument("--max-tokens", type=int, default=0,
                         help="largest compute stream in tokens (default: scheduling.bucket_size)")
 
@@ -64,7 +70,7 @@ def compute_cases(max_tokens: int) -> tuple[tuple[tuple[int, ...], float], ...]:
     return tuple(cases)
 
 
-def _settings(config: Any, args: argparse.Namespace, on_gpu: bool) -> Any:
+def _settings(config: Any, args: argparse.Namespace, steps: list[Any], on_gpu: bool) -> Any:
     from app.deepspeed_config import deepspeed_config
     from app.hardware import cost_model
     from app.model_args import model_spec
@@ -73,6 +79,7 @@ def _settings(config: Any, args: argparse.Namespace, on_gpu: bool) -> Any:
     max_tokens = args.max_tokens or config.scheduling.bucket_size
     cost = cost_model(config)
     return ProfileSettings(
+        steps=tuple(step.payloads for step in steps),
         model=model_spec(config.model, config.train, tokenizer=config.data.tokenizer),
         deepspeed=deepspeed_config(config.train, dtype=config.model.dtype, on_gpu=on_gpu),
         cp_size=config.parallel.cp_size, cases=compute_cases(max_tokens),
@@ -94,18 +101,23 @@ def _world_size(config: Any, on_gpu: bool) -> int:
     return workers
 
 
-def measure(config: Any, args: argparse.Namespace) -> dict:
+def measure(config: Any, args: argparse.Namespace) -> tuple[dict, list[Any]]:
+    """The workers' raw measurements, and the whole steps they trained (app/profile_steps.py)."""
     import torch
 
+    from app.hardware import cost_model
+    from app.profile_steps import planned_steps
     from workers.tools.launch import run_workers
     from workers.tools.profile_run import profile_rank
 
     on_gpu = torch.cuda.is_available()
     world = _world_size(config, on_gpu)
-    results = run_workers(profile_rank, world_size=world, args=(_settings(config, args, on_gpu),))
+    steps = planned_steps(config, cost_model(config), num_batches=args.steps, world_size=world) \
+        if args.steps else []
+    results = run_workers(profile_rank, world_size=world, args=(_settings(config, args, steps, on_gpu),))
     raw = results[0]
     raw["device"] = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()} cpu x{_cores()}"
-    return raw
+    return raw, steps
 
 
 def _cores() -> int:
@@ -114,8 +126,11 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
-def fit_profile(config: Any, raw: dict) -> tuple[dict[str, float], dict[str, float]]:
-    """(measured profile fields, largest relative residual per fit) from profile_rank's rows."""
+def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str, float], dict[str, float]]:
+    """(measured profile fields, largest relative residual per fit) from profile_rank's rows.
+
+    With whole `steps` measured, every time term is then scaled by their measured / modeled factor
+    (app/profile_steps.py); raw["step_fit"] records the factor and the step residual before it."""
     from app.hardware import cost_model
     from scheduling.calibrate import fit_compute, fit_linear, fit_two_regime
 
@@ -149,6 +164,15 @@ def fit_profile(config: Any, raw: dict) -> tuple[dict[str, float], dict[str, flo
                         [max(r["peak_bytes"], 1) for r in raw["memory"]])
     fields["activation_bytes_per_hidden"] = max(memory.slope, 1.0) / (cost.num_layers * cost.hidden_size)
     residuals["memory"] = memory.max_rel_residual
+    if steps and raw.get("steps"):
+        from app.profile_steps import fit_steps, fitted_cost, scaled_fields
+
+        fit = fit_steps(list(steps), raw["steps"], fitted_cost(cost, fields))
+        fields = scaled_fields(fields, fit.scale)
+        residuals["step"] = fit.max_rel_residual
+        raw["step_fit"] = {"scale": fit.scale, "max_rel_residual": fit.max_rel_residual,
+                           "max_rel_residual_before": fit.max_rel_residual_before,
+                           "policies": [step.policy for step in steps], "measured_s": raw["steps"]}
     return fields, residuals
 
 
@@ -189,6 +213,12 @@ def profile_yaml(config: Any, raw: dict, fields: dict[str, float], residuals: di
              "# Fit residuals (largest relative): " + ", ".join(f"{k} {v:.1%}" for k, v in residuals.items()),
              "# Fields without '# measured' are the base profile's "
              f"({config.hardware.profile}): not measured by `profile`."]
+    if "step_fit" in raw:
+        fit = raw["step_fit"]
+        before, after = fit["max_rel_residual_before"], fit["max_rel_residual"]
+        lines.insert(3, f"# {len(fit['measured_s'])} whole training steps ran {fit['scale']:.3f}x the "
+                        f"isolated terms' model (largest step error {before:.1%} before, {after:.1%} "
+                        "after): every time term below is scaled by that.")
     for key, value in values.items():
         text = value if isinstance(value, str) else (f"{value:.6g}" if isinstance(value, float) else value)
         lines.append(f"{key}: {text}" + ("  # measured" if key in fields else ""))
@@ -203,6 +233,10 @@ def _print(raw: dict, fields: dict[str, float], residuals: dict[str, float], buc
     for term, residual in residuals.items():
         flag = "  WARNING: over 15%" if residual > RESIDUAL_WARNING else ""
         print(f"  fit residual {term:<15} {residual:.1%}{flag}")
+    if "step_fit" in raw:
+        fit = raw["step_fit"]
+        print(f"  whole steps: measured / modeled = {fit['scale']:.3f} (largest step error "
+              f"{fit['max_rel_residual_before']:.1%} before scaling, {fit['max_rel_residual']:.1%} after)")
     if "overlap" in raw:
         o = raw["overlap"]
         print(f"  ring beside local attention: ring {o['comm_s'] * 1e3:.2f} ms, attention "
@@ -215,13 +249,19 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     config = config_from_args(args)
-    raw = measure(config, args)
-    fields, residuals = fit_profile(config, raw)
+    if args.steps < 0:
+        raise SystemExit("--steps must be >= 0")
+    raw, steps = measure(config, args)
+    fields, residuals = fit_profile(config, raw, steps)
     bucket = _bucket_size(config, raw, fields)
     for term, residual in residuals.items():
         if residual > RESIDUAL_WARNING:
             print(f"warning: the {term} fit's largest residual is {residual:.0%} (> 15%): the cost model's "
                   f"{term} term describes this machine poorly", file=sys.stderr)
+    if fields["mfu"] > 1:
+        print(f"warning: fitted mfu {fields['mfu']:.2f} > 1: the base profile's peak_flops "
+              f"({config.hardware.profile}) is below the rate measured; set peak_flops in the written "
+              "profile to the device's peak (the predicted times are the same either way)", file=sys.stderr)
     name = args.name or (Path(args.out).stem if args.out else "measured")
     command = "python -m app " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["profile"] else \
         f"python -m app profile --config {args.config}"

@@ -13,6 +13,9 @@ and, all ranks at once as in training (on a CPU host they share its cores, as tr
     reduce      one micro-batch's ZeRO-2 gradient reduction of the model's parameters over all ranks
     optimizer   DeepSpeed's `engine.step()` (ZeRO-2 partitioned Adam + parameter all-gather)
     memory      peak memory of forward+backward above the memory before it, per stream size
+    steps       whole training steps (`run_step`: every micro-batch of a planned payload, then the
+                optimizer step) of the payloads app/profile_steps.py planned, after one untimed step;
+                per step the slowest rank's time
 
 The returned rows are raw: app/commands/profile.py fits them into a hardware profile.
 """
@@ -29,13 +32,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from scheduling.payload import RankPayload, spare_payload
 from workers.distributed import ParallelGroups
 from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
 from workers.models import ModelSpec
-from workers.step import synchronize
+from workers.step import run_step, synchronize
 from workers.tools.profile_comm import measure_grad_reduce, measure_overlap, measure_ring
 from workers.tools.profile_compute import label_tokens, time_micro_batch
 from workers.tools.profile_memory import measure_activation_memory
+
+RING_REPEATS = 50
+"""Timed ring steps per message size (each well under a millisecond on any host)."""
 
 
 def ring_sizes(layer_kv_bytes: int) -> tuple[int, ...]:
@@ -57,6 +64,8 @@ class ProfileSettings:
     loss_chunk_tokens: int = 4096
     timeout_s: float = 600.0
     seed: int = 0
+    steps: tuple[dict[tuple[int, int], RankPayload], ...] = ()
+    """Per whole step to time, the payload of every (dp_rank, cp_rank)."""
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -134,6 +143,20 @@ def _optimizer_step_s(engine: Any, s: ProfileSettings, device: torch.device) -> 
     return {"params": params, "seconds_median": _slowest(statistics.median(times[1:]), device)}
 
 
+def _whole_steps(engine: Any, s: ProfileSettings, groups: ParallelGroups,
+                 device: torch.device) -> list[float]:
+    """The slowest rank's seconds of each planned step, after the first step once untimed (warm-up)."""
+    def payload(step: dict[tuple[int, int], RankPayload]) -> RankPayload:
+        return spare_payload(step[0, 0], 0) if groups.is_spare else step[groups.dp_rank, groups.cp_rank]
+
+    seconds = []
+    for index, step in enumerate(s.steps[:1] + s.steps):
+        stats = run_step(engine, payload(step), groups, device=device, loss_chunk_tokens=s.loss_chunk_tokens)
+        if index > 0:
+            seconds.append(_slowest(stats.compute_s, device))
+    return seconds
+
+
 def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
     """Every measurement on this rank (a `workers.tools.launch.run_workers` function)."""
     os.environ.setdefault("LOCAL_RANK", str(rank))  # DeepSpeed's launcher check; one node, so equal
@@ -158,13 +181,17 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
     if groups.cp_group is not None and s.cp_size > 1:
         bucket = max(sum(lengths) for lengths, _ in s.cases)
         layer_kv = 2 * bucket * s.kv_hidden_size * _element_size(model)
-        result["ring"] = measure_ring(groups.attention.comm, ring_sizes(layer_kv), repeats=s.repeats,
-                                      dtype=_dtype(model), device=device)
+        # Ring steps take well under a millisecond: many repeats cost nothing, and the fit reads the
+        # fastest, which a 2-core host reaches only in some of them (too few left 57% residuals).
+        result["ring"] = measure_ring(groups.attention.comm, ring_sizes(layer_kv), repeats=RING_REPEATS,
+                                      warmup=3, dtype=_dtype(model), device=device)
         result["overlap"] = _overlap_row(model, s, groups, device, result["ring"])
     if world_size > 1:
         bucket = int(s.deepspeed["zero_optimization"]["reduce_bucket_size"])
         result["reduce"] = measure_grad_reduce(params, zero.data, dtype=_dtype(model), repeats=s.repeats,
                                                device=device, bucket_elements=bucket)
     result["optimizer"] = _optimizer_step_s(engine, s, device)
+    if s.steps:
+        result["steps"] = _whole_steps(engine, s, groups, device)
     del model
     return result
