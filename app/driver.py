@@ -297,7 +297,8 @@ def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out:
     monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
     settings = worker_settings(config, planner, monitor, total_steps, str(run_dir))
     trainer = make_trainer(config, settings, name, monitor)
-    result, history = fit_with_progress(config, trainer, monitor, total_steps, progress=progress, out=out)
+    result, history = fit_with_progress(config, trainer, monitor, total_steps, progress=progress, out=out,
+                                        run_dir=run_dir)
     if not history:
         raise RuntimeError(f"training reported no step; see the log in {run_dir / 'logs'}")
     checkpoint = result.checkpoint.path if result.checkpoint is not None else None
@@ -330,19 +331,28 @@ def prepared_dataset(config: SkrullConfig, *, progress: bool, out: TextIO, embed
 
 
 def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_steps: int, *, progress: bool,
-                      out: TextIO) -> tuple[Any, list[dict[str, Any]]]:
-    """trainer.fit() (Ctrl-C stays the driver's) under a progress bar fed by `monitor`.
+                      out: TextIO, run_dir: Path | None = None) -> tuple[Any, list[dict[str, Any]]]:
+    """trainer.fit() (Ctrl-C stays the driver's) under a progress bar fed by `monitor`; with `run_dir`,
+    every record also goes to <run_dir>/tensorboard/ (app/tensorboard_log.py).
 
     Returns (Ray Train's result, every reported record in order).
     """
     from app.monitor import ProgressBar
+    from app.tensorboard_log import TensorBoardLog
 
     # ray.train.report is a barrier of Ray Train's own (not torch's), without a timeout by default: a peer
     # hung between two collectives would hang it. It reads its timeout from this variable, which Ray Train
     # hands to its controller from the driver's environment.
     timeout = {"RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(config.train.collective_timeout_s)}
-    with ProgressBar(monitor, total_steps, enabled=progress, file=out) as bar, _environment(timeout):
-        result = _fit_interruptibly(trainer)
+    log = TensorBoardLog(run_dir) if run_dir is not None else None
+    sinks = (log.write,) if log is not None else ()
+    try:
+        with ProgressBar(monitor, total_steps, enabled=progress, file=out, sinks=sinks) as bar, \
+                _environment(timeout):
+            result = _fit_interruptibly(trainer)
+    finally:
+        if log is not None:
+            log.close()
     return result, bar.history
 
 

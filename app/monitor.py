@@ -8,6 +8,7 @@ report) to a tiny `RunMonitor` actor that the driver polls. Nothing here is on t
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import ray
@@ -50,10 +51,11 @@ class ProgressBar:
     """A tqdm bar on the driver fed by polling the monitor in a background thread."""
 
     def __init__(self, monitor: Any, total_steps: int, *, enabled: bool = True, file: TextIO | None = None,
-                 poll_s: float = 0.5) -> None:
+                 poll_s: float = 0.5, sinks: tuple[Callable[[dict[str, Any]], None], ...] = ()) -> None:
         from tqdm import tqdm
 
         self._monitor = monitor
+        self._sinks = sinks  # each new record also goes to these (the run's TensorBoard log)
         self._bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled, file=file)
         self._poll_s = poll_s
         self.history: list[dict[str, Any]] = []
@@ -79,6 +81,8 @@ class ProgressBar:
         for metrics in new:
             previous = self.history[-1] if self.history else None
             self.history.append(metrics)
+            for sink in self._sinks:
+                sink(metrics)
             if previous is not None and metrics.get("session") != previous.get("session"):
                 self._bar.write(restart_line(previous, metrics))
             self._bar.n = int(metrics["step"])  # a restarted group re-trains steps after its checkpoint

@@ -52,11 +52,26 @@ def test_dp1_cp2_trains_and_static_cp_gives_the_same_losses(local_ray, tmp_path:
     for metrics in skrull.history:  # what a user's dashboard reads from ray.train.report
         assert set(metrics) >= METRICS, METRICS - set(metrics)
         assert metrics["compute_imbalance"] >= 1 and metrics["planner_ahead_steps"] >= 0
+    _check_tensorboard(Path(skrull.run_dir), skrull.history)
 
     static = train(_config(tmp_path, "static", "scheduling.policy=static_cp"), progress=False)
     # Scheduling changes which rank computes what, never the math of a global batch: fp32 losses agree up
     # to summation order (~1e-7 relative per step), which Adam's normalized updates keep far below 1e-4.
     assert static.losses == pytest.approx(skrull.losses, rel=1e-4)
+
+
+def _check_tensorboard(run_dir: Path, history: list[dict]) -> None:
+    """`tensorboard --logdir` finds every step's curves: read back with tensorboard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert tags >= {"loss", "tokens_per_s", "tokens_per_s_per_worker", "step_s", "compute_imbalance"}, tags
+    losses = events.Scalars("loss")
+    assert [e.step for e in losses] == [m["step"] for m in history]
+    assert [e.value for e in losses] == pytest.approx([m["loss"] for m in history], rel=1e-6)
+    per_worker = events.Scalars("tokens_per_s_per_worker")[0].value
+    assert per_worker == pytest.approx(history[0]["tokens_per_s"] / 2, rel=1e-6)  # DP 1 x CP 2
 
 
 @pytest.mark.parametrize("overrides, message", [
