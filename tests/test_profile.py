@@ -133,3 +133,12 @@ def test_fit_two_regime_recovers_the_ring_step_form_and_predicts_with_it() -> No
     assert link.two_regime and link.max_rel_residual < 1e-9
     assert link.latency_s == pytest.approx(1e-4) and link.bandwidth == pytest.approx(2e9)
     assert [link.predict(b) for b in sizes] == pytest.approx(seconds)
+
+
+def test_a_fitted_launch_cost_of_zero_is_a_valid_profile() -> None:
+    # profile clips a negative launch (intercept below the measured reduction) to 0: loadable, not an error
+    config = load_config("configs/tiny-cpu.yaml", TINY)
+    cost = fitted_cost(cost_model(config), {**TRUTH, "micro_batch_launch_s": 0.0})
+    assert cost.micro_batch_overhead_s(1) == 0.0
+    with pytest.raises(ValueError, match="micro_batch_launch_s"):
+        fitted_cost(cost_model(config), {"micro_batch_launch_s": -1e-3})
