@@ -21,6 +21,7 @@ import numpy as np
 from app.config import SkrullConfig
 from scheduling import CostModel, StepPlan, plan_step, simulate
 from scheduling.calibrate import StepScaleFit, fit_step_scale
+from scheduling.cost import HardwareProfile
 from scheduling.payload import IGNORE_INDEX, Cursor, RankPayload, Sample, build_rank_payloads
 
 STEP_POLICIES = ("skrull", "static_cp_packed", "static_cp")
@@ -88,10 +89,9 @@ def fit_steps(steps: list[PlannedStep], measured_s: list[float], cost: CostModel
 
 def scaled_fields(fields: dict[str, float], scale: float) -> dict[str, float]:
     """The measured profile fields with every time term multiplied by `scale` (rates divided by it)."""
-    times = ("micro_batch_launch_s", "intra_node_latency_s", "optimizer_s_per_param")
-    rates = ("mfu", "intra_node_bandwidth", "grad_reduce_bandwidth")
-    return {key: value * scale if key in times else value / scale if key in rates else value
-            for key, value in fields.items()}
+    factor = {f.name: {"time": scale, "rate": 1.0 / scale}.get(f.metadata.get("scales_as"), 1.0)
+              for f in dataclasses.fields(HardwareProfile)}
+    return {key: value * factor[key] for key, value in fields.items()}
 
 
 def fitted_cost(cost: CostModel, fields: dict[str, Any]) -> CostModel:

@@ -31,10 +31,12 @@ Times (a HardwareProfile holds the rates; see configs/hardware/*.yaml for the so
                   min(NVLink, gpus_per_node * NIC). So b grows with the model: ~10 ms for 0.5B, ~96 ms
                   for 7B on 32 H100s (configs/hardware/h100.yaml). It is charged in full (no overlap with
                   the backward), the pessimistic end of DeepSpeed's overlap_comm.
-    T_comm(V,N) = comm_passes * L * (N-1) * max(latency, V/(L*N) / bandwidth)
-                  a ring of N-1 steps per layer, each moving one rank's 1/N of the layer's K/V: a fixed
-                  latency below latency*bandwidth bytes, linear above (the paper's two-regime T_comm).
-                  bandwidth is NVLink while the CP group fits one node, the NIC otherwise.
+    T_comm(V,N) = comm_passes * L * (N-1) * max(latency, offset + V/(L*N) / bandwidth)
+                  a ring of N-1 steps per layer, each moving one rank's 1/N of the layer's K/V, timed
+                  by the paper's two-regime T_comm: a fixed latency below a size threshold, a line
+                  a_c*V + b_c above it (a_c = 1/bandwidth, b_c = offset; offset 0 is the pure
+                  max(latency, bytes/bandwidth) of an ideal link). bandwidth, latency and offset are the
+                  intra-node ones while the CP group fits one node, the inter-node ones otherwise.
 
 Memory: activations are linear in tokens, so a rank's budget is a token count
     C = (device memory - static memory - safety) / alpha,  alpha = activation bytes per token
@@ -58,6 +60,14 @@ COST_FORMULAS = ("paper", "model")
 CostFormula = Literal["paper", "model"]
 
 
+TIME = {"scales_as": "time"}
+RATE = {"scales_as": "rate"}
+"""Field metadata of HardwareProfile: a time (seconds) or a rate (work per second). Running k times slower
+multiplies every TIME field by k and divides every RATE field by k, which multiplies every modeled time by
+k and changes no plan (`profile --steps` scales a fitted profile this way, app/profile_steps.py).
+peak_flops is left unmarked: T_comp divides by peak_flops * mfu, and mfu carries the fitted speed."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HardwareProfile:
     """Rates of one accelerator type. Defaults are the H100 numbers of configs/hardware/h100.yaml."""
@@ -65,23 +75,28 @@ class HardwareProfile:
     name: str = "h100"
     peak_flops: float = 989e12
     """Dense peak FLOP/s at the training precision."""
-    mfu: float = 0.45
+    mfu: float = dataclasses.field(default=0.45, metadata=RATE)
     """Model-FLOPs utilization assumed for long packed micro-batches."""
     train_flops_factor: float = 3.0
     """Forward + backward FLOPs over forward FLOPs."""
-    micro_batch_launch_s: float = 0.004
+    micro_batch_launch_s: float = dataclasses.field(default=0.004, metadata=TIME)
     """Fixed launch/dispatch cost of one micro-batch's forward+backward (the model-independent part of b)."""
     grad_bytes_per_param: float = 2.0
     """Bytes of one gradient element in the ZeRO-2 reduction (bf16)."""
     grad_reduce_passes: float = 2.0
     """Ring passes of the per-micro-batch gradient reduction: 2 for the all_reduce DeepSpeed 0.19's ZeRO-2
     issues per bucket (1 would be a reduce-scatter)."""
-    intra_node_bandwidth: float = 360e9
+    intra_node_bandwidth: float = dataclasses.field(default=360e9, metadata=RATE)
     """Bytes/s one rank can send to a peer inside a node."""
-    inter_node_bandwidth: float = 40e9
+    inter_node_bandwidth: float = dataclasses.field(default=40e9, metadata=RATE)
     """Bytes/s one rank can send to a peer in another node."""
-    intra_node_latency_s: float = 15e-6
-    inter_node_latency_s: float = 30e-6
+    intra_node_latency_s: float = dataclasses.field(default=15e-6, metadata=TIME)
+    """A ring step's time below the size threshold (the paper's fixed T_comm regime), inside a node."""
+    inter_node_latency_s: float = dataclasses.field(default=30e-6, metadata=TIME)
+    intra_node_comm_offset_s: float = dataclasses.field(default=0.0, metadata=TIME)
+    """b_c of the paper's T_comm = a_c*V + b_c above the threshold, inside a node (0: the line through
+    the origin). gloo on 2 shared cores grows smoothly, not like an ideal link (docs/benchmarks.md)."""
+    inter_node_comm_offset_s: float = dataclasses.field(default=0.0, metadata=TIME)
     gpus_per_node: int = 8
     bytes_per_element: int = 2
     comm_passes: float = 3.0
@@ -92,9 +107,9 @@ class HardwareProfile:
     ring_overlap: float = 1.0
     """Share of min(ring time, local compute) the ring's transfers hide behind local compute: 1 = fully
     (DACP's premise, separate CUDA streams), 0 = serialized (measured by `python -m app profile`)."""
-    grad_reduce_bandwidth: float = 0.0
+    grad_reduce_bandwidth: float = dataclasses.field(default=0.0, metadata=RATE)
     """Bytes/s of the ZeRO-2 gradient collective inside one node (measured); 0: intra_node_bandwidth."""
-    optimizer_s_per_param: float = 0.0
+    optimizer_s_per_param: float = dataclasses.field(default=0.0, metadata=TIME)
     """Seconds of the optimizer step per parameter a rank updates (ZeRO-2: P / W each, plus the parameter
     all-gather); 0: not modeled. Charged once per step, outside the plan's micro-batches."""
 
@@ -103,8 +118,12 @@ class HardwareProfile:
             value = getattr(self, f.name)
             # 0 is a measured value for these (no launch cost beyond the gradient reduction, a ring that
             # never overlaps, ...), not a missing one.
-            if f.name in ("ring_overlap", "grad_reduce_bandwidth", "optimizer_s_per_param",
-                          "micro_batch_launch_s"):
+            if f.name in ("intra_node_comm_offset_s", "inter_node_comm_offset_s"):
+                # b_c may be negative (a line steeper than through the origin); latency floors the step
+                if not np.isfinite(value):
+                    raise ValueError(f"hardware profile {self.name!r}: {f.name} must be finite: {value!r}")
+            elif f.name in ("ring_overlap", "grad_reduce_bandwidth", "optimizer_s_per_param",
+                            "micro_batch_launch_s"):
                 ok = 0.0 <= value <= 1.0 if f.name == "ring_overlap" else value >= 0
                 if not ok:
                     raise ValueError(f"hardware profile {self.name!r}: {f.name} out of range: {value!r}")
@@ -133,11 +152,16 @@ class HardwareProfile:
             return inside
         return min(inside, self.gpus_per_node * self.inter_node_bandwidth)
 
-    def link(self, cp_size: int) -> tuple[float, float]:
-        """(latency_s, bandwidth) of a ring over `cp_size` ranks: NVLink if one node holds it."""
+    def ring_step_s(self, nbytes: float, cp_size: int) -> float:
+        """One ring step moving `nbytes` over `cp_size` ranks (NVLink if one node holds them):
+        max(latency, offset + bytes / bandwidth), the paper's two-regime T_comm."""
         if cp_size <= self.gpus_per_node:
-            return self.intra_node_latency_s, self.intra_node_bandwidth
-        return self.inter_node_latency_s, self.inter_node_bandwidth
+            latency, offset, bandwidth = (self.intra_node_latency_s, self.intra_node_comm_offset_s,
+                                          self.intra_node_bandwidth)
+        else:
+            latency, offset, bandwidth = (self.inter_node_latency_s, self.inter_node_comm_offset_s,
+                                          self.inter_node_bandwidth)
+        return max(latency, offset + nbytes / bandwidth)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,10 +297,9 @@ class CostModel:
         """Ring time of forward+backward for `volume` K/V bytes sharded over `cp_size` ranks."""
         if cp_size <= 1 or volume <= 0:
             return 0.0
-        latency, bandwidth = self.profile.link(cp_size)
         per_step = volume / (self.num_layers * cp_size)
         steps = self.num_layers * (cp_size - 1)
-        return self.profile.comm_passes * steps * max(latency, per_step / bandwidth)
+        return self.profile.comm_passes * steps * self.profile.ring_step_s(per_step, cp_size)
 
     def micro_batch_time(self, local_flops: Sequence[float], dist_flops: float, volume: float, *,
                          world: int = 1) -> float:

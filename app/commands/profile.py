@@ -7,8 +7,9 @@ backend, then fits every term of the cost model (scheduling/cost.py) to what was
     compute     T(F) = F * train_flops_factor / (peak_flops * mfu) + b(W), F the scheduling.cost_formula
                 FLOPs of each case (label tokens included), timed through the DeepSpeed engine as a
                 training micro-batch -> mfu, micro_batch_launch_s = b(W) - the measured reduction
-    ring        t(bytes) = max(latency, bytes / bandwidth) (T_comm's form) on the CP group, over messages
-                around the model's per-layer K/V shard -> intra_node_latency_s / _bandwidth
+    ring        t(bytes) = max(latency, offset + bytes / bandwidth) (T_comm's two regimes) on the CP
+                group, over messages around the model's per-layer K/V shard -> intra_node_latency_s,
+                intra_node_comm_offset_s, intra_node_bandwidth
     overlap     the share of min(ring, local attention) the ring hides when run beside it -> ring_overlap
     reduce      ZeRO-2's per-micro-batch gradient all-reduce (2 ring passes) of P parameters over W
                 ranks -> grad_reduce_passes = 2, grad_reduce_bandwidth = 2 (W-1)/W * P * bytes / t
@@ -147,7 +148,7 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
         # medians of single small transfers (a 64 KiB step measured 0.43 ms min, 3.5 ms median).
         link = fit_two_regime([r["bytes"] for r in raw["ring"]], [r["seconds_min"] for r in raw["ring"]])
         fields.update(intra_node_latency_s=max(link.latency_s, 1e-7), intra_node_bandwidth=link.bandwidth,
-                      ring_overlap=float(raw["overlap"]["overlap"]))
+                      intra_node_comm_offset_s=link.offset_s, ring_overlap=float(raw["overlap"]["overlap"]))
         residuals["ring"] = link.max_rel_residual
     world = raw["world_size"]
     if "reduce" in raw:
