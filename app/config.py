@@ -50,7 +50,32 @@ class RunConfig:
     name: str = "skrull-run"
     """Run name: outputs go to <storage_path>/<name>/ (empty: a unique one); an existing run is resumed."""
     storage_path: str = "runs"
-    """Local directory that holds runs (on a cluster: one shared by all nodes); relative to the cwd."""
+    """Directory that holds runs (relative to the cwd), or a filesystem URI such as s3://bucket/prefix
+    (workers/storage.py); on a cluster it must be shared by all nodes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """model.lora: low-rank adapters through peft (r = 0: off, every weight trains)."""
+
+    r: int = 0
+    """Adapter rank; > 0 injects peft LoRA layers into target_modules, freezes every other weight, and makes
+    checkpoints hold only the adapter (the base weights come back from model.name_or_path)."""
+    alpha: float = 16.0
+    """peft's lora_alpha: the adapter's update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """peft's lora_dropout on the adapter's input (training only)."""
+    target_modules: str | list[str] = "all-linear"
+    """Module names to adapt, e.g. [q_proj, v_proj]; or peft's `all-linear` (every linear but the LM head)."""
+
+    def __post_init__(self) -> None:
+        _require(self.r >= 0, f"model.lora.r must be >= 0 (0: LoRA off), got {self.r}")
+        _require(self.alpha > 0, f"model.lora.alpha must be > 0, got {self.alpha}")
+        _require(0 <= self.dropout < 1, f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        names = [self.target_modules] if isinstance(self.target_modules, str) else self.target_modules
+        _require(isinstance(names, list) and bool(names) and all(isinstance(n, str) and n for n in names),
+                 "model.lora.target_modules must be a non-empty module name or a list of names "
+                 f"(or all-linear), got {self.target_modules!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +105,8 @@ class ModelConfig:
     """Tiny presets only: KV heads (0: preset default)."""
     intermediate_size: int = 0
     """MLP width: a tiny preset's, and the model cost formula's (0: preset default / the model config)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (model.lora.r > 0); off by default."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "kv_hidden_size", "num_layers", "num_params", "vocab_size",
@@ -93,7 +120,8 @@ class DataConfig:
     source: Literal["synthetic", "path"] = "synthetic"
     """synthetic (generated lengths / conversations) | path (a dataset on disk at data.path)."""
     path: str = ""
-    """Dataset on disk: a parquet file/dir, a .jsonl file, or a HF `datasets` save_to_disk directory."""
+    """Dataset: a parquet file/dir, a .jsonl file, or a HF `datasets` save_to_disk directory; parquet and
+    jsonl may also be a filesystem URI (s3://bucket/data.parquet)."""
     format: Literal["auto", "parquet", "jsonl", "hf"] = "auto"
     distribution: Literal["wikipedia", "lmsys", "chatqa2"] = "lmsys"
     """Synthetic length distribution."""
@@ -117,6 +145,12 @@ class DataConfig:
     """With too_long=truncate, which end to cut: left drops the oldest context and keeps the last answer."""
     tokenize_batch_size: int = 64
     """Rows per map_batches call in the Ray Data tokenizer."""
+    eval_fraction: float = 0.0
+    """Hold this fraction of the samples out of training for the eval loss (a hash of (data.seed, sample
+    id) below it: deterministic, the same on resume and on any worker count); 0: none."""
+    eval_path: str = ""
+    """A separate eval dataset (same readers, format and tokenizer as data.path); exclusive with
+    data.eval_fraction."""
 
     def __post_init__(self) -> None:
         _require(self.source != "path" or bool(self.path),
@@ -124,6 +158,10 @@ class DataConfig:
         _require(self.max_length >= 0, "data.max_length must be >= 0 (0 means bucket_size * cp_size)")
         _require(self.length_scale > 0, f"data.length_scale must be > 0, got {self.length_scale}")
         _require(self.tokenize_batch_size >= 1, "data.tokenize_batch_size must be >= 1")
+        _require(0 <= self.eval_fraction < 1,
+                 f"data.eval_fraction must be in [0, 1) (0: no held-out set), got {self.eval_fraction}")
+        _require(not (self.eval_fraction and self.eval_path),
+                 "data.eval_fraction and data.eval_path are exclusive: set only one of them")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,6 +272,12 @@ class TrainConfig:
     """Worker-group failures Ray Train recovers from (restart from the newest checkpoint); -1: no limit."""
     collective_timeout_s: float = 600.0
     """A collective that waits longer (a dead or hung peer) fails the step instead of hanging."""
+    eval_every: int = 0
+    """Compute the eval loss (data.eval_fraction / data.eval_path) every this many steps and after the
+    last one, reported as `eval_loss`; 0: never."""
+    mlflow_uri: str = ""
+    """MLflow tracking URI every reported step's metrics also go to (app/mlflow_log.py), e.g.
+    http://tracking:5000 or sqlite:///mlflow.db; empty: off. Needs the extra skrull-on-ray[mlflow]."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0 and self.epochs >= 1, "train.steps must be >= 0 and train.epochs >= 1")
@@ -246,6 +290,9 @@ class TrainConfig:
         _require(self.max_failures >= -1, "train.max_failures must be >= 0 (or -1: no limit)")
         _require(self.collective_timeout_s > 0, "train.collective_timeout_s must be > 0 seconds")
         _require(self.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0 (0: keep every one)")
+        _require(self.eval_every >= 0, f"train.eval_every must be >= 0 (0: no eval), got {self.eval_every}")
+        _require(isinstance(self.mlflow_uri, str) and self.mlflow_uri == self.mlflow_uri.strip(),
+                 f"train.mlflow_uri must be a URI without surrounding spaces, got {self.mlflow_uri!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from app.config import ConfigError, SkrullConfig
-from app.preflight import preflight, run_directory, run_name, write_snapshot
+from app.preflight import preflight, run_location, run_name, write_snapshot
+from workers.storage import Location, pull_mirror, push_mirror
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,7 @@ class TrainSummary:
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C on the driver: Ray is shut down; a re-run resumes from the newest complete checkpoint."""
 
-    def __init__(self, name: str, run_dir: Path) -> None:
+    def __init__(self, name: str, run_dir: Path | Location) -> None:
         super().__init__(name)
         self.name = name
         self.run_dir = run_dir
@@ -140,8 +141,13 @@ def _total_steps(config: SkrullConfig, usable_rows: int) -> int:
     return steps
 
 
-def planner_actor(config: SkrullConfig, dataset: Any, total_steps: int, name: str) -> Any:
-    """A PlannerActor for config.scheduling.policy over the materialized `dataset`, on the driver's node."""
+def planner_actor(config: SkrullConfig, dataset: Any, total_steps: int, name: str,
+                  eval_dataset: Any = None) -> Any:
+    """A PlannerActor for config.scheduling.policy over the materialized `dataset`, on the driver's node.
+
+    The planner skips the rows data.eval_fraction holds out; `eval_dataset` is data.eval_path's
+    materialized rows (PreparedData.eval_dataset), the eval set instead of the held-out rows.
+    """
     from app.hardware import cost_model
     from scheduling.actor import PlannerActor, PlannerSettings
 
@@ -150,6 +156,7 @@ def planner_actor(config: SkrullConfig, dataset: Any, total_steps: int, name: st
         policy=sched.policy, dp_size=par.dp_size, cp_size=par.cp_size, bucket_size=sched.bucket_size,
         global_batch_size=sched.global_batch_size, total_steps=total_steps, prefetch=sched.prefetch,
         seed=sched.seed, static_cp_micro_batch=sched.static_cp_micro_batch,
+        eval_fraction=config.data.eval_fraction, holdout_seed=config.data.seed,
     )
     # Ray restarts a dead planner actor (a fresh one, planning from the run's start); the workers' own
     # restart then moves it to the checkpoint's cursor. Calls are never retried: a payload call answered
@@ -157,7 +164,7 @@ def planner_actor(config: SkrullConfig, dataset: Any, total_steps: int, name: st
     actor = PlannerActor.options(num_cpus=config.resources.planner_cpus, max_restarts=-1, max_task_retries=0,
                                  scheduling_strategy=on_this_node(),
                                  name=f"skrull-planner-{name}-{secrets.token_hex(3)}")  # for operators
-    return actor.remote(dataset, settings, cost_model(config))
+    return actor.remote(dataset, settings, cost_model(config), eval_dataset=eval_dataset)
 
 
 def on_this_node() -> Any:
@@ -182,7 +189,7 @@ def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_step
         cp_size=config.parallel.cp_size, total_steps=total_steps, loss_chunk_tokens=train.loss_chunk_tokens,
         checkpoint_every=train.checkpoint_every, log_every=train.log_every, run_dir=run_dir,
         planner=planner, monitor=monitor, seed=train.seed, collective_timeout_s=train.collective_timeout_s,
-        planner_timeout_s=config.scheduling.planner_timeout_s,
+        planner_timeout_s=config.scheduling.planner_timeout_s, eval_every=train.eval_every,
     )
 
 
@@ -211,10 +218,23 @@ def make_trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any,
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=_use_gpu(config),
                                      resources_per_worker=per_worker,
                                      elastic_resize_monitor_interval_s=par.resize_check_s),
-        run_config=RunConfig(name=name, storage_path=str(os.path.abspath(config.run.storage_path)),
+        run_config=RunConfig(name=name, **_train_storage(config.run.storage_path),
                              callbacks=[ProgressCallback(monitor)], checkpoint_config=keep,
                              failure_config=FailureConfig(max_failures=config.train.max_failures)),
     )
+
+
+def _train_storage(storage_path: str) -> dict[str, Any]:
+    """RunConfig's storage arguments: a local path as before, or a remote URI's (fs path, filesystem)."""
+    storage = Location.of(storage_path)
+    if storage.is_local:
+        return {"storage_path": storage.uri}
+    return {"storage_path": storage.path, "storage_filesystem": storage.filesystem}
+
+
+def _run_location(config: SkrullConfig, name: str) -> Location:
+    """<run.storage_path>/<name> (checked by preflight.run_location before the run started)."""
+    return Location.of(config.run.storage_path) / name
 
 
 def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, worker_logs: bool = True,
@@ -226,23 +246,30 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     """
     preflight(config)
     name = run_name(config)
-    run_dir = run_directory(config, name)
-    existed = run_dir.exists()
-    write_snapshot(config, run_dir)
+    run = run_location(config, name)
+    existed = run.exists()
+    write_snapshot(config, run)
+    # A remote run's driver-side files (logs/, tensorboard/, ...) live in a local mirror that is copied
+    # into the run's storage at the end (workers/storage.py: pull_mirror, push_mirror).
+    run_dir = run.local or pull_mirror(run)
+    remote = None if run.is_local else run
     try:
-        with run_console(run_dir, quiet=quiet, out=out, existed=existed) as terminal:
+        with run_console(run_dir, quiet=quiet, out=out, existed=existed, remote=remote) as terminal:
             return _run(config, name, run_dir, progress=progress, worker_logs=worker_logs, out=terminal)
     except KeyboardInterrupt as err:  # Ray (embedded: every process of it) is already shut down here
-        raise RunInterrupted(name, run_dir) from err
+        raise RunInterrupted(name, run) from err
 
 
 @contextlib.contextmanager
-def run_console(run_dir: Path, *, quiet: bool, out: TextIO | None, existed: bool) -> Iterator[TextIO]:
+def run_console(run_dir: Path, *, quiet: bool, out: TextIO | None, existed: bool,
+                remote: Location | None = None) -> Iterator[TextIO]:
     """A driver command's terminal; with `quiet`, what the libraries print goes to <run_dir>/logs/driver.log.
 
     Yields the stream for the command's own lines. A ConfigError removes `run_dir` unless it `existed`
     (rejected before any worker started: nothing half-written stays behind); any other error except
-    Ctrl-C prints where the full log is, after the descriptors are restored.
+    Ctrl-C prints where the full log is, after the descriptors are restored. With `remote` (a run on an
+    object store), `run_dir` is its local mirror: copied into `remote` at the end, whatever the outcome,
+    except after a ConfigError of a new run, which removes `remote` too.
     """
     from app.console import captured_output
 
@@ -254,13 +281,20 @@ def run_console(run_dir: Path, *, quiet: bool, out: TextIO | None, existed: bool
     except ConfigError:
         if not existed:
             shutil.rmtree(run_dir, ignore_errors=True)
+            if remote is not None:
+                remote.delete()
+                remote = None
         raise
     except KeyboardInterrupt:
         raise
     except BaseException:
         if quiet:  # the descriptors are restored: the terminal gets this line, then the error itself
-            print(f"full log: {log}", file=sys.stderr, flush=True)
+            where = f"{log} (copied to {remote / 'logs' / 'driver.log'})" if remote is not None else log
+            print(f"full log: {where}", file=sys.stderr, flush=True)
         raise
+    finally:
+        if remote is not None:
+            push_mirror(run_dir, remote)
 
 
 def _run(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, worker_logs: bool,
@@ -276,7 +310,7 @@ def _run(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, work
         steps=len(history), samples=sum(int(h["samples"]) for h in history),
         tokens=sum(int(h["tokens"]) for h in history), loss_first=history[0]["loss"],
         loss_last=history[-1]["loss"], tokens_per_s=sum(h["tokens"] for h in history) / max(total_time, 1e-9),
-        checkpoint=checkpoint, run_dir=str(run_dir), resumed_from_step=resumed or None,
+        checkpoint=checkpoint, run_dir=str(_run_location(config, name)), resumed_from_step=resumed or None,
         restarts=max(len(starts) - 1, 0), history=[dict(h) for h in history],
     )
 
@@ -291,29 +325,55 @@ def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out:
 
     from app.monitor import RunMonitor
 
-    dataset, usable_rows = prepared_dataset(config, progress=progress, out=out, embedded=embedded)
-    total_steps = _total_steps(config, usable_rows)
-    planner = planner_actor(config, dataset, total_steps, name)
+    data = prepared_data(config, progress=progress, out=out, embedded=embedded, run_dir=run_dir)
+    total_steps = _total_steps(config, data.usable_rows)
+    planner = planner_actor(config, data.dataset, total_steps, name, eval_dataset=data.eval_dataset)
     monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
-    settings = worker_settings(config, planner, monitor, total_steps, str(run_dir))
+    settings = worker_settings(config, planner, monitor, total_steps, _run_location(config, name).uri)
     trainer = make_trainer(config, settings, name, monitor)
     result, history = fit_with_progress(config, trainer, monitor, total_steps, progress=progress, out=out,
-                                        run_dir=run_dir)
+                                        run_dir=run_dir, run_name=name)
     if not history:
         raise RuntimeError(f"training reported no step; see the log in {run_dir / 'logs'}")
-    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    checkpoint = None
+    if result.checkpoint is not None:  # a remote run's checkpoint as a URI (Ray Train gives a bucket path)
+        run = _run_location(config, name)
+        checkpoint = result.checkpoint.path if run.is_local else str(run / Path(result.checkpoint.path).name)
     return history, checkpoint, ray.get(monitor.starts.remote())
 
 
 def prepared_dataset(config: SkrullConfig, *, progress: bool, out: TextIO, embedded: bool,
                      planners: int = 1) -> tuple[Any, int]:
-    """Check the cluster fits, tokenize once (materialized), scan it; returns (dataset, usable rows).
+    """`prepared_data`'s (dataset, usable training rows), for callers that run no eval (bench train)."""
+    data = prepared_data(config, progress=progress, out=out, embedded=embedded, planners=planners)
+    return data.dataset, data.usable_rows
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedData:
+    dataset: Any
+    """The materialized tokenized training dataset (held-out rows included: the planner skips them)."""
+    usable_rows: int
+    """Usable rows of one epoch that train (data.eval_fraction's held-out rows excluded)."""
+    eval_dataset: Any = None
+    """data.eval_path's materialized tokenized rows, or None (no eval set, or held out of `dataset`)."""
+    eval_rows: int = 0
+    """Usable rows of the eval set (0: none)."""
+
+
+def prepared_data(config: SkrullConfig, *, progress: bool, out: TextIO, embedded: bool,
+                  planners: int = 1, run_dir: Path | None = None) -> PreparedData:
+    """Check the cluster fits, tokenize once (materialized), scan it, split off the eval set.
 
     `planners`: how many planner actors the run starts (each reserves resources.planner_cpus).
+    data.eval_path is tokenized and scanned the same way (its errors name data.eval_path); an eval set
+    without a sample is a ConfigError (app/data/split.py). With `run_dir`, the data summary is also
+    written to <run_dir>/data_summary.json (app/run_files.py; `report` shows it).
     """
     import ray
 
     from app.data.pipeline import scan_dataset, tokenized_dataset
+    from app.data.split import split_counts
     from app.preflight import check_cluster_fits, check_epoch_fits
 
     resources = dataclasses.replace(config.resources, planner_cpus=config.resources.planner_cpus * planners)
@@ -326,18 +386,54 @@ def prepared_dataset(config: SkrullConfig, *, progress: bool, out: TextIO, embed
     scan = scan_dataset(dataset, config.data, max_length=config.max_sequence_length)
     if progress:
         print(scan.summary(), file=out, flush=True)
-    check_epoch_fits(config, len(scan.lengths))
-    return dataset, len(scan.lengths)
+    eval_dataset, eval_path_rows = _eval_path_dataset(config, progress=progress, out=out)
+    counts = split_counts(scan.positions, config.data, eval_path_rows=eval_path_rows)
+    if progress and config.data.eval_fraction:
+        print(f"eval: {counts.eval_rows} rows held out (data.eval_fraction={config.data.eval_fraction}), "
+              f"{counts.train_rows} train", file=out, flush=True)
+    check_epoch_fits(config, counts.train_rows)
+    if run_dir is not None:
+        from app.run_files import data_summary, write_data_summary
+
+        summary = data_summary(scan, train_rows=counts.train_rows, eval_rows=counts.eval_rows)
+        write_data_summary(run_dir, summary)
+    return PreparedData(dataset=dataset, usable_rows=counts.train_rows, eval_dataset=eval_dataset,
+                        eval_rows=counts.eval_rows)
+
+
+def _eval_path_dataset(config: SkrullConfig, *, progress: bool, out: TextIO) -> tuple[Any, int]:
+    """(materialized data.eval_path rows, usable rows), or (None, 0) without data.eval_path."""
+    from app.data import DataError
+    from app.data.pipeline import scan_dataset, tokenized_dataset
+    from app.data.split import as_eval_path_error, eval_data_config
+
+    if not config.data.eval_path:
+        return None, 0
+    data = eval_data_config(config.data)
+    try:
+        dataset = tokenized_dataset(data, max_length=config.max_sequence_length,
+                                    num_cpus=config.resources.data_cpus).materialize()
+        scan = scan_dataset(dataset, data, max_length=config.max_sequence_length)
+    except DataError as err:
+        raise as_eval_path_error(err, config.data) from None
+    if progress:
+        print(scan.summary().replace("data:", "eval data:", 1), file=out, flush=True)
+    return dataset, scan.num_usable
 
 
 def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_steps: int, *, progress: bool,
-                      out: TextIO, run_dir: Path | None = None) -> tuple[Any, list[dict[str, Any]]]:
+                      out: TextIO, run_dir: Path | None = None,
+                      run_name: str | None = None) -> tuple[Any, list[dict[str, Any]]]:
     """trainer.fit() (Ctrl-C stays the driver's) under a progress bar fed by `monitor`; with `run_dir`,
-    every record also goes to <run_dir>/tensorboard/ (app/tensorboard_log.py).
+    every record also goes to <run_dir>/metrics.jsonl and each group start to worker_starts.jsonl
+    (app/run_files.py), to <run_dir>/tensorboard/ (app/tensorboard_log.py) and, with train.mlflow_uri, to
+    MLflow (app/mlflow_log.py) as the MLflow run `run_name` (default: run_dir's name).
 
     Returns (Ray Train's result, every reported record in order).
     """
+    from app.mlflow_log import MlflowLog
     from app.monitor import ProgressBar
+    from app.run_files import RunLog
     from app.tensorboard_log import TensorBoardLog
 
     # ray.train.report is a barrier of Ray Train's own (not torch's), without a timeout by default: a peer
@@ -345,14 +441,28 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
     # hands to its controller from the driver's environment.
     timeout = {"RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(config.train.collective_timeout_s)}
     log = TensorBoardLog(run_dir) if run_dir is not None else None
-    sinks = (log.write,) if log is not None else ()
+    run_log = RunLog(run_dir, total_steps) if run_dir is not None else None
+    tracking = None
+    if run_dir is not None and config.train.mlflow_uri:
+        tracking = MlflowLog(config.train.mlflow_uri, run_dir, run_name or run_dir.name, config.to_dict(),
+                             out=out)
+    sinks = tuple(sink.record if isinstance(sink, RunLog) else sink.write
+                  for sink in (run_log, log, tracking) if sink is not None)
+    status = "FAILED"
     try:
-        with ProgressBar(monitor, total_steps, enabled=progress, file=out, sinks=sinks) as bar, \
+        with ProgressBar(monitor, total_steps, enabled=progress, file=out, sinks=sinks,
+                         start_sinks=(run_log.group_started,) if run_log else ()) as bar, \
                 _environment(timeout):
             result = _fit_interruptibly(trainer)
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
     finally:
         if log is not None:
             log.close()
+        if tracking is not None:
+            tracking.close(status)
     return result, bar.history
 
 

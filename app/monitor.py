@@ -3,6 +3,10 @@
 Ray Train calls `ProgressCallback.after_report` in its controller once every worker has reported; the
 callback forwards world rank 0's per-step metrics (the report's "history": every step since the last
 report) to a tiny `RunMonitor` actor that the driver polls. Nothing here is on the workers' hot path.
+
+The driver's progress thread hands every new record to its sinks (the run's metrics.jsonl, TensorBoard,
+MLflow) and every new start of the worker group to its start sinks (worker_starts.jsonl), so a run's
+directory tells its story while it runs (app/run_files.py).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ class RunMonitor:
     def since(self, index: int) -> list[dict[str, Any]]:
         return self._history[index:]
 
+    def poll(self, index: int, start_index: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The records from `index` on and the group starts from `start_index` on, in one call."""
+        return self._history[index:], self._starts[start_index:]
+
 
 class ProgressCallback(UserCallback):
     def __init__(self, monitor: Any) -> None:
@@ -51,11 +59,14 @@ class ProgressBar:
     """A tqdm bar on the driver fed by polling the monitor in a background thread."""
 
     def __init__(self, monitor: Any, total_steps: int, *, enabled: bool = True, file: TextIO | None = None,
-                 poll_s: float = 0.5, sinks: tuple[Callable[[dict[str, Any]], None], ...] = ()) -> None:
+                 poll_s: float = 0.5, sinks: tuple[Callable[[dict[str, Any]], None], ...] = (),
+                 start_sinks: tuple[Callable[[dict[str, Any]], None], ...] = ()) -> None:
         from tqdm import tqdm
 
         self._monitor = monitor
-        self._sinks = sinks  # each new record also goes to these (the run's TensorBoard log)
+        self._sinks = sinks  # each new record also goes to these (metrics.jsonl, TensorBoard, MLflow)
+        self._start_sinks = start_sinks  # each new start of the worker group goes to these
+        self.starts: list[dict[str, Any]] = []
         self._bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled, file=file)
         self._poll_s = poll_s
         self.history: list[dict[str, Any]] = []
@@ -77,7 +88,11 @@ class ProgressBar:
             self._drain()
 
     def _drain(self) -> None:
-        new = ray.get(self._monitor.since.remote(len(self.history)))
+        new, starts = ray.get(self._monitor.poll.remote(len(self.history), len(self.starts)))
+        for start in starts:  # a start comes before its group's first record
+            self.starts.append(start)
+            for sink in self._start_sinks:
+                sink(start)
         for metrics in new:
             previous = self.history[-1] if self.history else None
             self.history.append(metrics)

@@ -22,6 +22,7 @@ from typing import Any
 
 from app.config import ConfigError, ModelConfig, SkrullConfig
 from workers.presets import TINY_PRESETS, is_tiny_preset
+from workers.storage import Location, is_remote
 
 # A Hugging Face hub id: "name" or "org/name", no path syntax.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
@@ -65,50 +66,73 @@ MATH_KEYS = (
     "data.length_scale", "data.tokenizer", "data.chat_template", "data.labels", "data.max_length",
     "data.too_long", "data.truncate_side", "scheduling.global_batch_size", "train.lr", "train.weight_decay",
     "train.warmup_steps", "train.grad_clip", "train.seed", "train.zero_stage",
+    "data.eval_fraction", "data.eval_path",
+    "model.lora.r", "model.lora.alpha", "model.lora.dropout", "model.lora.target_modules",
 )
 """Keys that change what a step computes; resuming with another value needs train.allow_config_change."""
 
 
-def run_directory(config: SkrullConfig, name: str) -> Path:
-    """<storage_path>/<name>: a new run, or an existing one to resume (same math, see check_resume)."""
-    storage = Path(config.run.storage_path).expanduser().resolve()
+def run_location(config: SkrullConfig, name: str) -> Location:
+    """<storage_path>/<name> (a local directory or an object-store URI, workers/storage.py): a new run,
+    or an existing one to resume (same math, see check_resume)."""
+    storage = _storage_location(config.run.storage_path)
     _check_writable(storage)
-    run_dir = storage / name
-    check_resume(config, run_dir)
-    return run_dir
+    run = storage / name
+    check_resume(config, run)
+    return run
+
+
+def run_directory(config: SkrullConfig, name: str) -> Path:
+    """run_location for commands that need a local run directory (`bench train`)."""
+    if is_remote(config.run.storage_path):
+        raise ConfigError(f"run.storage_path={config.run.storage_path!r}: this command writes a local run "
+                          "directory; point run.storage_path at a local or mounted directory")
+    local = run_location(config, name).local
+    assert local is not None
+    return local
 
 
 def _dotted(tree: dict[str, Any], key: str) -> Any:
-    section, field = key.split(".")
-    return tree.get(section, {}).get(field)
+    """The value at a dotted key of a config dict (nested sections: model.lora.r), or None when absent."""
+    node: Any = tree
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
-def recorded_step(run_dir: Path) -> int:
+def recorded_step(run_dir: str | Path | Location) -> int:
     """The step of the newest checkpoint Ray Train recorded for the run (what a rerun resumes), or 0.
 
     Ray Train's controller records a checkpoint in this snapshot once every worker has reported it; a
     checkpoint directory not recorded there (the driver stopped first) is never resumed from.
     """
     try:
-        snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
+        snapshot = json.loads((Location.of(run_dir) / "checkpoint_manager_snapshot.json").read_text())
         return max((int(r["metrics"]["step"]) for r in snapshot["checkpoint_results"]), default=0)
     except (OSError, ValueError, KeyError, TypeError):
         return 0
 
 
-def check_resume(config: SkrullConfig, run_dir: Path) -> None:
+def check_resume(config: SkrullConfig, run_dir: str | Path | Location) -> None:
     """A finished run is not rerun; one ConfigError lists every math key that differs from its config."""
+    run_dir = Location.of(run_dir)
     done = recorded_step(run_dir)
     if config.train.steps and done >= config.train.steps:
         raise ConfigError(f"run {run_dir.name!r} already trained {done} steps (train.steps="
                           f"{config.train.steps}); raise train.steps to train it further, or use another "
                           "run.name")
     snapshot = run_dir / CONFIG_SNAPSHOT
-    if not snapshot.exists() or config.train.allow_config_change:
+    if config.train.allow_config_change or not snapshot.exists():
         return
     before, now = json.loads(snapshot.read_text()), config.to_dict()
-    changed = [f"{key}: {_dotted(before, key)!r} -> {_dotted(now, key)!r}" for key in MATH_KEYS
-               if _dotted(before, key) != _dotted(now, key)]
+    defaults = SkrullConfig().to_dict()  # a run snapshotted before a key existed ran with its default
+
+    def old(key: str) -> Any:
+        value = _dotted(before, key)
+        return _dotted(defaults, key) if value is None else value
+
+    changed = [f"{key}: {old(key)!r} -> {_dotted(now, key)!r}" for key in MATH_KEYS
+               if old(key) != _dotted(now, key)]
     if changed:
         raise ConfigError(
             f"run {run_dir.name!r} exists and resuming it would change its math: {'; '.join(changed)}. "
@@ -116,26 +140,56 @@ def check_resume(config: SkrullConfig, run_dir: Path) -> None:
         )
 
 
-def write_snapshot(config: SkrullConfig, run_dir: Path) -> None:
-    """Record the config of a new run (a resumed run keeps the first one)."""
-    snapshot = run_dir / CONFIG_SNAPSHOT
+def write_snapshot(config: SkrullConfig, run_dir: str | Path | Location) -> None:
+    """Record the config of a new run (a resumed run keeps the first one); written atomically."""
+    snapshot = Location.of(run_dir) / CONFIG_SNAPSHOT
     if not snapshot.exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
         snapshot.write_text(json.dumps(config.to_dict(), indent=1))
 
 
-def _check_writable(storage: Path) -> None:
-    """run.storage_path exists (or can be made) and accepts files: checked by writing one."""
+_REMOTE_HINT = ("check that the bucket exists, the endpoint (endpoint_override=HOST:PORT&scheme=http in the "
+                "URI, or AWS_ENDPOINT_URL) and the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+                "AWS_PROFILE; AWS_DEFAULT_REGION)")
+
+
+def _storage_location(storage_path: str) -> Location:
+    """run.storage_path as a Location; a URI no pyarrow filesystem understands is a ConfigError."""
     try:
-        storage.mkdir(parents=True, exist_ok=True)
-        probe = storage / f".skrull-write-test-{secrets.token_hex(4)}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        storage = Location.of(storage_path)
+        storage.filesystem  # noqa: B018 - parses the URI (scheme, query options) now
+    except (ValueError, OSError, ImportError) as err:
+        raise ConfigError(f"run.storage_path={storage_path!r} is not a directory or a filesystem URI "
+                          f"pyarrow understands ({err}); fix run.storage_path") from None
+    return storage
+
+
+def _check_writable(storage: Location) -> None:
+    """run.storage_path exists (or can be made) and accepts files: checked by writing one and removing it.
+
+    On an object store this is one PUT and one DELETE under the prefix: it fails on a missing bucket,
+    an unreachable endpoint (after the SDK's retries, ~6 s measured against a closed port) or bad
+    credentials.
+    """
+    local = storage.local
+    if local is not None:
+        try:
+            local.mkdir(parents=True, exist_ok=True)
+            probe = local / f".skrull-write-test-{secrets.token_hex(4)}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(
+                f"run.storage_path={str(local)!r} is not a writable directory ({err.strerror}); "
+                "point run.storage_path at a directory you can write"
+            ) from None
+        return
+    probe = storage / f".skrull-write-test-{secrets.token_hex(4)}"
+    try:
+        probe.write_text("")
+        probe.delete()
     except OSError as err:
-        raise ConfigError(
-            f"run.storage_path={str(storage)!r} is not a writable directory ({err.strerror}); "
-            "point run.storage_path at a directory you can write"
-        ) from None
+        raise ConfigError(f"run.storage_path={str(storage)!r} is not writable ({str(err).splitlines()[0]}); "
+                          f"{_REMOTE_HINT}, or fix run.storage_path") from None
 
 
 def preflight(config: SkrullConfig) -> None:
@@ -143,12 +197,32 @@ def preflight(config: SkrullConfig) -> None:
     from app.data.readers import resolve_source
     from app.data.tokenizer import load_tokenizer
     from app.hardware import load_hardware_profile
+    from app.mlflow_log import check_mlflow
 
+    check_mlflow(config.train.mlflow_uri)
     check_model_source(config.model)
     if config.data.source == "path":
         resolve_source(config.data)
+    check_eval_source(config)
     load_tokenizer(config.data.tokenizer)
     load_hardware_profile(config.hardware.profile)
+
+
+def check_eval_source(config: SkrullConfig) -> None:
+    """train.eval_every needs an eval set; data.eval_path must be a readable dataset (errors name it)."""
+    from app.data import DataError
+    from app.data.readers import resolve_source
+    from app.data.split import as_eval_path_error, eval_data_config
+
+    data = config.data
+    if config.train.eval_every and not (data.eval_fraction or data.eval_path):
+        raise ConfigError(f"train.eval_every={config.train.eval_every} needs an eval set: set "
+                          "data.eval_fraction (hold samples out) or data.eval_path, or train.eval_every=0")
+    if data.eval_path:
+        try:
+            resolve_source(eval_data_config(data))
+        except DataError as err:
+            raise as_eval_path_error(err, data) from None
 
 
 def required_resources(config: SkrullConfig) -> dict[str, float]:

@@ -11,6 +11,11 @@ store transfer hide behind training. The actor owns the data cursor: a payload c
 position after its step, which the workers checkpoint, so a resumed run skips exactly what was consumed.
 Sample ids are stream positions within an epoch (the stream order is deterministic), so each id appears once
 per epoch in the run's samples.jsonl.
+
+Eval set (EvalSource): with data.eval_fraction the reader skips the held-out positions
+(scheduling/holdout.py), so they never train and never reach samples.jsonl; `eval_payloads` plans the
+held-out rows (or data.eval_path's dataset) with the run's policy for the asking group's shape, once per
+shape (scheduling/eval_plan.py), and keeps one object-store ref per rank.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import numpy as np
 import ray
 
 from scheduling import CostModel, plan_step
+from scheduling.eval_plan import plan_eval
+from scheduling.holdout import is_held_out
 from scheduling.payload import (
     USABLE_STATUSES,
     Cursor,
@@ -50,6 +57,10 @@ class PlannerSettings:
     static_cp_micro_batch: int = 1
     spares: int = 0
     """Worker ranks beyond dp_size * cp_size (workers/distributed.py): each fetches an empty payload."""
+    eval_fraction: float = 0.0
+    """data.eval_fraction: usable rows held out (scheduling/holdout.py) are skipped by training."""
+    holdout_seed: int = 0
+    """data.seed: the held-out split's seed."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.global_batch_size < self.dp_size or self.prefetch < 1:
@@ -75,8 +86,10 @@ class PlannerActor:
         cost: CostModel,
         start: Cursor | None = None,
         first_step: int = 1,
+        eval_dataset: Any = None,
     ) -> None:
         self._dataset = dataset
+        self._eval = EvalSource(dataset, eval_dataset, settings)
         self._cost = cost
         self._plan_ms: list[float] = []
         self._status_counts: dict[str, int] = {}
@@ -148,6 +161,14 @@ class PlannerActor:
                 self._cond.notify_all()
             return [ref], self._planned
 
+    def eval_payloads(self, dp_size: int, spares: int, dp_rank: int, cp_rank: int) -> list[ray.ObjectRef]:
+        """[ref] of this rank's eval payloads (a tuple of RankPayload over every eval batch).
+
+        Planned on the first call for a worker-group shape (dp_size, spares) and kept in the object store
+        until the shape changes, so a group plans its eval set once, not on every eval.
+        """
+        return [self._eval.refs(self._settings, self._cost, dp_size, spares)[dp_rank, cp_rank]]
+
     def stats(self) -> dict[str, Any]:
         """Planning time, how far ahead the planner is, and the data rows seen by status."""
         with self._cond:
@@ -214,7 +235,7 @@ class PlannerActor:
                 status = str(row.get("status", "ok"))
                 with self._cond:
                     self._status_counts[status] = self._status_counts.get(status, 0) + 1
-                if status in USABLE_STATUSES:
+                if status in USABLE_STATUSES and not self._eval.holds_out(position):
                     usable += 1
                     yield epoch, position, row
             if usable == 0 and skip == 0:
@@ -237,7 +258,8 @@ class PlannerActor:
         plan_ms = (time.perf_counter() - started) * 1e3
         estimate = simulate(step_plan, lengths, self._cost, labels=labels)
         payloads = build_rank_payloads(step_plan, batch, step=step, epoch=epoch, cursor=cursor,
-                                       plan_ms=plan_ms, estimate=estimate)
+                                       plan_ms=plan_ms, estimate=estimate,
+                                       flops_at_peak_s=self._flops_at_peak_s(lengths, labels))
         refs = {rank: ray.put(payload) for rank, payload in payloads.items()}
         if s.spares:
             spare = ray.put(spare_payload(payloads[0, 0], 0))
@@ -254,6 +276,57 @@ class PlannerActor:
                                 or generation != self._generation)
             if generation != self._generation:
                 raise _Superseded
+
+    def _flops_at_peak_s(self, lengths: list[int], labels: list[int]) -> float:
+        """The step's model training FLOPs / the profile's peak FLOP/s (RankPayload.flops_at_peak_s)."""
+        profile = self._cost.profile
+        forward = float(np.sum(self._cost.flops(np.asarray(lengths), np.asarray(labels))))
+        return forward * profile.train_flops_factor / profile.peak_flops
+
+
+class EvalSource:
+    """The planner's eval set: held-out rows of the training dataset, or a separate eval dataset.
+
+    `holds_out(position)` is what the training stream skips (data.eval_fraction; never with a separate
+    eval dataset, whose ids are positions in its own stream). `refs` plans the eval set for a group shape
+    (scheduling/eval_plan.py) and keeps one object-store ref per rank until the shape changes.
+    """
+
+    def __init__(self, dataset: Any, eval_dataset: Any, settings: PlannerSettings) -> None:
+        self._dataset = eval_dataset if eval_dataset is not None else dataset
+        self._separate = eval_dataset is not None
+        self._fraction = 0.0 if self._separate else settings.eval_fraction
+        self._seed = settings.holdout_seed
+        self._lock = threading.Lock()
+        self._shape: tuple[int, int] | None = None
+        self._refs: dict[tuple[int, int], ray.ObjectRef] = {}
+
+    def holds_out(self, position: int) -> bool:
+        return bool(self._fraction) and is_held_out(position, seed=self._seed, fraction=self._fraction)
+
+    def samples(self) -> list[Sample]:
+        """The eval set's usable rows in stream order (sample id = position in its stream)."""
+        if not (self._separate or self._fraction):
+            raise PlannerError("no eval set: set data.eval_fraction or data.eval_path")
+        samples = []
+        for position, row in enumerate(self._dataset.iter_rows()):
+            if str(row.get("status", "ok")) not in USABLE_STATUSES:
+                continue
+            if self._separate or self.holds_out(position):
+                samples.append(Sample(sample_id=position, input_ids=np.asarray(row["input_ids"], np.int64),
+                                      labels=np.asarray(row["labels"], dtype=np.int64)))
+        return samples
+
+    def refs(self, s: PlannerSettings, cost: CostModel, dp_size: int,
+             spares: int) -> dict[tuple[int, int], ray.ObjectRef]:
+        with self._lock:
+            if self._shape != (dp_size, spares):
+                planned = plan_eval(self.samples(), policy=s.policy, batch_size=s.global_batch_size,
+                                    dp_size=dp_size, cp_size=s.cp_size, bucket_size=s.bucket_size, cost=cost,
+                                    seed=s.seed, static_cp_micro_batch=s.static_cp_micro_batch, spares=spares)
+                self._refs = {rank: ray.put(payloads) for rank, payloads in planned.items()}
+                self._shape = (dp_size, spares)
+            return self._refs
 
 
 @dataclass(frozen=True, slots=True)

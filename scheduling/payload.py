@@ -105,6 +105,9 @@ class RankPayload:
     """The cost model's step time for the whole plan (scheduling/simulate.py); NaN when not modeled."""
     predicted_busy_s: float = math.nan
     """The cost model's busy time of this (dp_rank, cp_rank) over its micro-batches; NaN when not modeled."""
+    flops_at_peak_s: float = math.nan
+    """The global batch's model training FLOPs (the cost model's forward FLOPs x train_flops_factor) over the
+    hardware profile's peak_flops: seconds one device at peak would take (the workers' mfu); NaN: unknown."""
 
 
 def _sequences_needed(plan: DacpPlan, cp_rank: int) -> tuple[int, ...]:
@@ -120,11 +123,13 @@ def build_rank_payloads(
     cursor: Cursor,
     plan_ms: float,
     estimate: StepEstimate | None = None,
+    flops_at_peak_s: float = math.nan,
 ) -> dict[tuple[int, int], RankPayload]:
     """Split one planned global batch into per-(dp_rank, cp_rank) payloads.
 
     `estimate`: the cost model's times of the plan, carried so the workers can report predicted beside
     measured time.
+    `flops_at_peak_s`: RankPayload.flops_at_peak_s of the step (the workers' mfu).
 
     ValueError if the global batch has no label token: every rank would divide a zero loss sum by
     max(0, 1) and the run would report loss 0.0 while training on nothing. Usable rows always carry a label
@@ -159,6 +164,7 @@ def build_rank_payloads(
                 sample_ids_by_dp_rank=sample_ids, cursor=cursor, plan_ms=plan_ms,
                 predicted_step_s=estimate.total_s if estimate else math.nan,
                 predicted_busy_s=estimate.rank_busy_s[dp_rank][cp_rank] if estimate else math.nan,
+                flops_at_peak_s=flops_at_peak_s,
             )
     return payloads
 

@@ -3,6 +3,7 @@ and nothing left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from app.__main__ import main
 from app.config import ConfigError, load_config
-from app.preflight import run_name
+from app.preflight import CONFIG_SNAPSHOT, check_resume, run_name
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -103,3 +104,17 @@ def test_a_global_batch_larger_than_an_epoch_is_an_error(local_ray, tmp_path: Pa
     with pytest.raises(ConfigError, match=r"global_batch_size=16 is larger than the 10 usable rows"):
         train(config, progress=False)
     assert not (tmp_path / "big").exists()
+
+
+def test_resume_compares_math_keys_and_a_key_newer_than_the_run_is_its_default(tmp_path: Path) -> None:
+    config = load_config("configs/tiny-cpu.yaml", ["train.steps=4"])
+    old = config.to_dict()
+    del old["data"]["eval_fraction"], old["model"]["lora"]  # a run snapshotted before these keys existed
+    (tmp_path / CONFIG_SNAPSHOT).write_text(json.dumps(old))
+    check_resume(config, tmp_path)  # same math: resumes
+    for override, key in (("model.lora.r=8", "model.lora.r: 0 -> 8"), ("train.lr=0.5", "train.lr")):
+        changed = load_config("configs/tiny-cpu.yaml", ["train.steps=4", override])
+        with pytest.raises(ConfigError, match=f"would change its math: {key}"):
+            check_resume(changed, tmp_path)
+        check_resume(load_config("configs/tiny-cpu.yaml", ["train.steps=4", override,
+                                                           "train.allow_config_change=true"]), tmp_path)

@@ -66,7 +66,8 @@ def _check_tensorboard(run_dir: Path, history: list[dict]) -> None:
 
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     tags = set(events.Tags()["scalars"])
-    assert tags >= {"loss", "tokens_per_s", "tokens_per_s_per_worker", "step_s", "compute_imbalance"}, tags
+    assert tags >= {"loss", "tokens_per_s", "tokens_per_s_per_worker", "step_s", "compute_imbalance", "mfu",
+                    "padding_fraction"}, tags
     losses = events.Scalars("loss")
     assert [e.step for e in losses] == [m["step"] for m in history]
     assert [e.value for e in losses] == pytest.approx([m["loss"] for m in history], rel=1e-6)

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from workers.storage import Location
+
 STATE_FILE = "skrull_state.json"
 
 
@@ -64,14 +66,15 @@ def resume_point(checkpoint: Any) -> CheckpointState | None:
 
 
 def cut_samples(run_dir: str, last_step: int) -> None:
-    """Keep only the samples.jsonl lines of steps the resumed model has trained (atomic replace)."""
-    path = Path(run_dir) / "samples.jsonl"
+    """Keep only the samples.jsonl lines of steps the resumed model has trained (atomic replace; a local
+    path or a URI, through workers/storage.py)."""
+    path = Location.of(run_dir) / "samples.jsonl"
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    lines = path.read_text().splitlines()
+    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
+    if len(kept) < len(lines):
+        path.write_text("".join(line + "\n" for line in kept))
 
 
 def universal_dir(checkpoint_path: str, state: CheckpointState) -> Path:

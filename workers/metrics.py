@@ -11,6 +11,15 @@ between two log steps never waits on a collective or a device-to-host copy for m
       compute_imbalance max / mean over ranks of compute time
       planner_wait_s    max over ranks of planner wait
       tokens_per_s      global tokens / step_s
+      mfu               model training FLOPs of the step / (step_s * trained ranks * peak_flops)
+                        = payload.flops_at_peak_s / (step_s * trained ranks); the FLOPs are the cost
+                        model's (scheduling.cost_formula) for the whole global batch, so mfu is the
+                        hardware profile's view of useful work, not a hardware counter
+      padding_fraction  1 - global tokens / tokens computed over all ranks (trained and spare), where a
+                        rank computes, per micro-batch, its local sequences whole plus its 2 zigzag chunks
+                        of each distributed sequence padded to a multiple of 2N (workers/batch.py), or one
+                        idle token when that is nothing (workers/step.py)
+      rank_compute_s    per world rank: compute seconds of the step (NaN for a spare rank): busy time
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from scheduling.actor import Fetched
+from scheduling.payload import RankPayload
+from workers.batch import padded_length
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +54,7 @@ class MetricsWindow:
         norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, device=loss_sum.device)
         self.records.append(StepRecord(fetched, loss_sum, norm.detach().float(), compute_s))
 
-    def flush(self, world_group: dist.ProcessGroup) -> list[dict[str, float]]:
+    def flush(self, world_group: dist.ProcessGroup) -> list[dict[str, float | list[float]]]:
         """Reduce the window over all ranks (collective: every rank calls it on the same steps)."""
         if not self.records:
             return []
@@ -51,11 +62,12 @@ class MetricsWindow:
         loss_sums = torch.stack([r.loss_sum for r in self.records])
         dist.all_reduce(loss_sums, group=world_group)
         nan = float("nan")
-        timings = torch.tensor([[r.fetched.wait_s, nan if self.spare else r.compute_s] for r in self.records],
+        timings = torch.tensor([[r.fetched.wait_s, nan if self.spare else r.compute_s,
+                                 computed_tokens(r.fetched.payload, spare=self.spare)] for r in self.records],
                                dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(timings) for _ in range(dist.get_world_size(world_group))]
         dist.all_gather(gathered, timings, group=world_group)
-        per_rank = torch.stack(gathered).cpu()  # [ranks, steps, (wait, compute)]
+        per_rank = torch.stack(gathered).cpu()  # [ranks, steps, (wait, compute, computed tokens)]
         norms = torch.stack([r.grad_norm for r in self.records]).cpu().tolist()
         losses = loss_sums.cpu().tolist()
         metrics = [_step_metrics(r, losses[i], per_rank[:, i], norms[i]) for i, r in enumerate(self.records)]
@@ -63,12 +75,33 @@ class MetricsWindow:
         return metrics
 
 
-def _step_metrics(record: StepRecord, loss_sum: float, wait_compute: torch.Tensor,
-                  grad_norm: float) -> dict[str, float]:
+def computed_tokens(payload: RankPayload, *, spare: bool = False) -> int:
+    """Tokens this rank runs through the model for `payload` (its packed streams, pads and idle tokens).
+
+    Counted from the plans alone, as workers/batch.py lays them out: per micro-batch the rank's local
+    sequences whole plus 2 chunks of padded_length(S, N) / 2N tokens of each distributed sequence; an empty
+    stream becomes workers/step.py's one-token idle micro-batch. A spare rank runs only idle micro-batches.
+    """
+    if spare:
+        return len(payload.micro_batches)
+    total = 0
+    for micro_batch in payload.micro_batches:
+        plan, cp_rank = micro_batch.plan, payload.cp_rank
+        cp_size = len(plan.local)
+        local = sum(len(micro_batch.input_ids[i]) for i in plan.local[cp_rank])
+        shards = sum(padded_length(len(micro_batch.input_ids[i]), cp_size) // cp_size
+                     for i in plan.distributed)
+        total += max(local + shards, 1)
+    return total
+
+
+def _step_metrics(record: StepRecord, loss_sum: float, per_rank: torch.Tensor,
+                  grad_norm: float) -> dict[str, float | list[float]]:
     payload = record.fetched.payload
-    trained = ~wait_compute[:, 1].isnan()  # spare ranks report NaN compute
-    wait, compute = wait_compute[trained, 0], wait_compute[trained, 1]
+    trained = ~per_rank[:, 1].isnan()  # spare ranks report NaN compute
+    wait, compute = per_rank[trained, 0], per_rank[trained, 1]
     step_s = float((wait + compute).max())
+    computed = float(per_rank[:, 2].sum())
     return {
         "step": payload.step,
         "epoch": payload.epoch,
@@ -86,4 +119,7 @@ def _step_metrics(record: StepRecord, loss_sum: float, wait_compute: torch.Tenso
         "samples": sum(len(ids) for ids in payload.sample_ids_by_dp_rank),
         "cursor_epoch": payload.cursor.epoch,
         "cursor_rows": payload.cursor.rows,
+        "mfu": payload.flops_at_peak_s / max(step_s * int(trained.sum()), 1e-9),
+        "padding_fraction": 1.0 - payload.global_tokens / max(computed, 1.0),
+        "rank_compute_s": per_rank[:, 1].tolist(),
     }

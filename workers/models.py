@@ -4,6 +4,7 @@
     build_model("tiny-llama")                 transformers' Llama architecture, tiny dims, random init
     build_model("Qwen/Qwen2.5-0.5B")          hub weights (or random_init=True: its config, random weights)
     build_model("/path/to/hf_model_dir")      a local HF model directory
+    build_model(..., lora_r=8)                any of them with peft LoRA adapters; only the adapters train
 """
 
 from __future__ import annotations
@@ -39,11 +40,22 @@ class ModelSpec:
     activation_checkpointing: bool = False
     attention_backend: str = "auto"
     """Varlen kernel of the DACP attention (resolved once per worker, see workers/attention/runtime.py)."""
+    lora_r: int = 0
+    """model.lora.r: > 0 adds peft LoRA adapters (apply_lora); 0 trains every weight."""
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: str | tuple[str, ...] = "all-linear"
 
-    def build(self) -> torch.nn.Module:
+    @property
+    def frozen_base(self) -> bool:
+        """Only adapters train: checkpoints save and load only the trainable (adapter) weights."""
+        return self.lora_r > 0
+
+    def build(self, attn_implementation: str | None = None) -> torch.nn.Module:
+        """The model with the DACP attention, or `attn_implementation` (e.g. "sdpa" to export it)."""
         kwargs = dataclasses.asdict(self)
         del kwargs["attention_backend"]  # a runtime choice of the attention call, not of the model
-        return build_model(**kwargs)
+        return build_model(**kwargs, attn_implementation=attn_implementation)
 
 
 def _tiny_config(name: str, dims: dict[str, int]):
@@ -69,7 +81,8 @@ def build_model(
     name_or_path: str = "tiny-qwen2", *, random_init: bool = False, dtype: str = "fp32", vocab_size: int = 0,
     num_attention_heads: int = 0, num_key_value_heads: int = 0, hidden_size: int = 0, num_layers: int = 0,
     intermediate_size: int = 0, seed: int = 0, attn_implementation: str | None = None,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool = False, lora_r: int = 0, lora_alpha: float = 16.0,
+    lora_dropout: float = 0.0, lora_target_modules: str | tuple[str, ...] = "all-linear",
 ):
     """A transformers PreTrainedModel using the "dacp" attention (or `attn_implementation`), use_cache off.
 
@@ -78,6 +91,7 @@ def build_model(
     `activation_checkpointing` recomputes each decoder layer in backward (transformers' gradient
     checkpointing, non-reentrant so the DACP layout keyword arguments pass through): the recompute re-runs
     the ring, which is safe because every CP rank recomputes the same layers in the same order.
+    `lora_r` > 0 injects LoRA adapters after the weights are built (apply_lora).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -109,6 +123,31 @@ def build_model(
         except OSError as err:
             raise ValueError(f"model.name_or_path={name_or_path!r} could not be loaded: {err}") from err
     model.config.use_cache = False
+    if lora_r:
+        model = apply_lora(model, lora_config(lora_r, lora_alpha, lora_dropout, lora_target_modules))
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def lora_config(r: int, alpha: float, dropout: float, target_modules: str | tuple[str, ...]):
+    """peft's LoraConfig for model.lora (a str target: peft's `all-linear` or a regex; a tuple: names)."""
+    from peft import LoraConfig
+
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                      task_type="CAUSAL_LM")
+
+
+def apply_lora(model, config):
+    """Inject peft LoRA layers into `model` in place; every other weight is frozen (requires_grad False).
+
+    Returns the transformers model itself (peft's `base_model.model`), not the PeftModel wrapper: the
+    training path calls `get_decoder()` / `get_output_embeddings()` of the causal LM, and parameter names
+    stay the model's own plus `.lora_A.default.weight` / `.lora_B.default.weight`, which is what the
+    checkpoints and the export (app/export.py, which rebuilds the wrapper to save peft's format) rely on.
+    The adapters are created after the seeded base weights, so every rank builds the same ones.
+    """
+    from peft import get_peft_model
+
+    return get_peft_model(model, config).base_model.model

@@ -5,6 +5,7 @@
         ─▶ build_engine (ZeRO-2) + load the checkpoint (universal on a new world size)
     for step: PlannerClient.fetch ─▶ run_step (micro-batches, DACP attention) ─▶ metrics window
               every train.log_every steps (and on checkpoint steps): reduce the window ─▶ report
+              every train.eval_every steps and after the last: + eval_loss (workers/eval_step.py), reported
 
 `ray.train.report` is a barrier, so every rank reports on the same steps. Checkpoints are DeepSpeed
 checkpoints that every rank writes into its own temp dir, merged by Ray Train into one checkpoint of the run
@@ -19,7 +20,6 @@ import tempfile
 import uuid
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -35,9 +35,11 @@ from workers.checkpoints import (
 )
 from workers.distributed import ParallelGroups
 from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
+from workers.eval_step import EvalSet, is_eval_step
 from workers.metrics import MetricsWindow
 from workers.models import ModelSpec
 from workers.step import StepStats, run_step
+from workers.storage import Location
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +54,8 @@ class WorkerSettings:
     checkpoint_every: int
     log_every: int
     run_dir: str
-    """<storage_path>/<name>: where samples.jsonl is written (by world rank 0)."""
+    """<storage_path>/<name> (a local path or a URI, workers/storage.py): where world rank 0 writes
+    samples.jsonl."""
     planner: Any
     """The PlannerActor handle."""
     monitor: Any = None
@@ -62,15 +65,16 @@ class WorkerSettings:
     """train.collective_timeout_s: the CP and ZeRO groups' timeout (the world's comes from TorchConfig)."""
     planner_timeout_s: float | None = None
     """scheduling.planner_timeout_s: longest wait for one step's payload."""
+    eval_every: int = 0
+    """train.eval_every: the eval loss after every this many steps and after the last (0: never)."""
 
 
 def _append_samples(run_dir: str, payload: RankPayload) -> None:
-    path = Path(run_dir) / "samples.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as out:
-        for dp_rank, ids in enumerate(payload.sample_ids_by_dp_rank):
-            out.write(json.dumps({"step": payload.step, "epoch": payload.epoch, "dp_rank": dp_rank,
-                                  "sample_ids": list(ids)}) + "\n")
+    """One samples.jsonl line per DP rank of this step, through the run's filesystem (workers/storage.py)."""
+    (Location.of(run_dir) / "samples.jsonl").append_lines([
+        json.dumps({"step": payload.step, "epoch": payload.epoch, "dp_rank": dp_rank,
+                    "sample_ids": list(ids)})
+        for dp_rank, ids in enumerate(payload.sample_ids_by_dp_rank)])
 
 
 def _report(window: list[dict[str, float]], engine: Any, payload: RankPayload, groups: ParallelGroups,
@@ -90,7 +94,10 @@ def _report(window: list[dict[str, float]], engine: Any, payload: RankPayload, g
         state = CheckpointState(step=payload.step, epoch=payload.cursor.epoch, rows=payload.cursor.rows,
                                 tag=f"step{payload.step}", world_size=groups.world_size,
                                 dp_size=groups.dp_size, cp_size=groups.cp_size, spares=groups.spares)
-        engine.save_checkpoint(tmp, tag=state.tag, client_state={"skrull": asdict(state)})
+        # LoRA: frozen base weights are rebuilt from the config, so the checkpoint holds only the adapter.
+        frozen = not all(p.requires_grad for p in engine.module.parameters())
+        engine.save_checkpoint(tmp, tag=state.tag, client_state={"skrull": asdict(state)},
+                               exclude_frozen_parameters=frozen)
         if dist.get_rank() == 0:
             state.write(tmp)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
@@ -155,7 +162,9 @@ def _engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, check
     if resume.world_size == groups.world_size:
         engine = build_engine(settings.model, settings.deepspeed, device, settings.seed, zero)
         with checkpoint.as_directory() as directory:
-            engine.load_checkpoint(directory, tag=resume.tag)
+            # A LoRA checkpoint holds only the adapter: the built base weights stay (non-strict load).
+            engine.load_checkpoint(directory, tag=resume.tag,
+                                   load_module_strict=not settings.model.frozen_base)
         return engine
     target = universal_dir(checkpoint.path, resume)
     if local_rank == 0:  # one conversion per node; the others wait at the barrier
@@ -206,13 +215,21 @@ def _train(settings: WorkerSettings, engine: Any, groups: ParallelGroups, device
     shape = {"world_size": groups.world_size, "dp_size": groups.dp_size, "cp_size": groups.cp_size,
              "spare_workers": groups.spares, "resumed_from_step": resumed, "session": session}
     last = settings.total_steps
+    eval_set = EvalSet.fetch(settings.planner, groups, timeout_s=settings.planner_timeout_s) \
+        if settings.eval_every else None
     for step in range(resumed + 1, last + 1):
         fetched, _ = fetch_and_step(settings, planner, engine, groups, device, window, step)
         if is_rank0:
             _append_samples(settings.run_dir, fetched.payload)
         save = step == last or bool(settings.checkpoint_every and step % settings.checkpoint_every == 0)
-        if save or step % settings.log_every == 0:
+        # An eval step forces a report (every rank decides alike, so Ray Train's report barrier holds):
+        # its eval_loss goes into that step's metrics, the last of the window.
+        evaluate = eval_set is not None and is_eval_step(step, last, settings.eval_every)
+        if save or evaluate or step % settings.log_every == 0:
             metrics = [m | shape for m in window.flush(groups.world_group)]
+            if evaluate:
+                metrics[-1]["eval_loss"] = eval_set.loss(engine, groups, device=device,
+                                                         loss_chunk_tokens=settings.loss_chunk_tokens)
             _report(metrics, engine, fetched.payload, groups, save=save)
 
 

@@ -41,6 +41,9 @@ class DataScan:
     lengths: np.ndarray
     counts: dict[str, int] = field(default_factory=dict)
     label_tokens: int = 0
+    positions: np.ndarray | None = None
+    """Stream positions (= sample ids) of the usable rows, aligned with `lengths`; the eval split
+    (app/data/split.py) counts the held-out ones. None: not recorded."""
 
     @property
     def num_usable(self) -> int:
@@ -105,9 +108,11 @@ def _source_dataset(data: DataConfig, num_cpus: float) -> tuple[Any, bool]:
         return rows, False
     source = resolve_source(data)
     if source.format == "parquet":
-        return ray.data.read_parquet(list(source.files)).select_columns(list(source.columns)), False
+        return ray.data.read_parquet(list(source.files), filesystem=source.filesystem).select_columns(
+            list(source.columns)), False
     if source.format == "jsonl":
-        return ray.data.read_text(list(source.files), drop_empty_lines=True), True
+        lines = ray.data.read_text(list(source.files), drop_empty_lines=True, filesystem=source.filesystem)
+        return lines, True
     dataset = load_hf_dataset(source.files[0]).select_columns(list(source.columns))
     return ray.data.from_huggingface(dataset), False
 
@@ -133,7 +138,7 @@ def scan_dataset(dataset: Any, data: DataConfig, *, max_length: int) -> DataScan
     counts = {name: int(np.count_nonzero(status == name)) for name in ROW_STATUSES}
     usable = np.isin(status, USABLE_STATUSES)
     scan = DataScan(num_rows=len(status), lengths=num_tokens[usable], counts=counts,
-                    label_tokens=int(label_tokens[usable].sum()))
+                    label_tokens=int(label_tokens[usable].sum()), positions=np.flatnonzero(usable))
     check_scan(data, scan, raw_tokens[status == "too_long"], max_length=max_length)
     return scan
 

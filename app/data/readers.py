@@ -14,6 +14,10 @@ Bad files fail on the driver, in resolve_source, with one DataError naming data.
 any Ray task starts: every parquet file's schema (footer) is read, so a 0-byte, cut-off or non-parquet
 file, or one that cannot be opened, is caught there; every JSONL file is read through once and decoded as
 UTF-8 (a line-at-a-time reader would otherwise die mid-run with a raw UnicodeDecodeError).
+
+data.path may also be a URI of a pyarrow filesystem (s3://bucket/data.parquet?endpoint_override=..., see
+workers/storage.py): the same checks run through that filesystem, `files` are paths inside it and
+`filesystem` goes to Ray Data's readers. The `hf` format needs a local (or mounted) directory.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 from app.config import DataConfig
 from app.data import DataError
+from workers.storage import Location, is_remote
 
 ROW_COLUMNS = ("messages", "text")
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -38,12 +43,16 @@ class DataSource:
     format: str
     files: tuple[str, ...]
     columns: tuple[str, ...]
+    filesystem: Any = None
+    """The pyarrow filesystem `files` are in (data.path a URI), or None: local files."""
 
 
 def resolve_source(data: DataConfig) -> DataSource:
     """Check data.path, detect data.format, list files in order; DataError naming the knob on failure."""
     if not data.path:
         raise DataError("data.source=path needs data.path (a parquet, jsonl or HF dataset directory)")
+    if is_remote(data.path):
+        return _resolve_remote(data)
     path = Path(data.path).expanduser()
     if not path.exists():
         raise DataError(f"data.path={data.path!r} does not exist (looked at {path.resolve()})")
@@ -65,8 +74,48 @@ def resolve_source(data: DataConfig) -> DataSource:
     return DataSource(format=fmt, files=files, columns=columns)
 
 
-def _detect_format(path: Path) -> str:
-    if path.is_dir():
+def _resolve_remote(data: DataConfig) -> DataSource:
+    """resolve_source for a URI: the object (or every object below the prefix) through its filesystem."""
+    if data.format == "hf":
+        raise _remote_hf(data.path)
+    try:
+        where = Location.of(data.path)
+        files = [where] if where.is_file() else where.files()
+    except (OSError, ValueError) as err:
+        raise DataError(f"data.path={data.path!r} cannot be reached ({str(err).splitlines()[0]}); check the "
+                        "URI, the endpoint (endpoint_override= in the URI or AWS_ENDPOINT_URL) and the "
+                        "credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)") from None
+    if not files:
+        raise DataError(f"data.path={data.path!r} does not exist (no object at or below it)")
+    names = [f.name for f in files]
+    fmt = data.format
+    if fmt == "auto":
+        fmt = "hf" if any(n in _HF_MARKERS for n in names) else _detect_format(Path(where.name), names=names)
+    if fmt == "hf":
+        raise _remote_hf(data.path)
+    suffixes = (".parquet",) if fmt == "parquet" else (".jsonl", ".json")
+    paths = tuple(f.path for f in files if Path(f.name).suffix in suffixes)
+    if not paths:
+        raise DataError(f"data.path={data.path!r} holds no {suffixes[0]} files (data.format={data.format})")
+    filesystem = where.filesystem
+    if fmt == "jsonl":
+        for file in paths:
+            _check_utf8(file, filesystem)
+        return DataSource(format=fmt, files=paths, columns=ROW_COLUMNS, filesystem=filesystem)
+    schemas = [_parquet_schema_names(file, filesystem) for file in paths]
+    columns = _require_columns(schemas[0], f"data.path file {paths[0]!r}")
+    return DataSource(format=fmt, files=paths, columns=columns, filesystem=filesystem)
+
+
+def _remote_hf(path: str) -> DataError:
+    return DataError(f"data.format=hf reads a local save_to_disk directory; data.path={path!r} is a URI: "
+                     "copy the dataset to a local/mounted directory, or store it as parquet or jsonl")
+
+
+def _detect_format(path: Path, *, names: list[str] | None = None) -> str:
+    if names is not None:  # a remote prefix: the names of the objects below it
+        found = [_SUFFIXES[s] for s in {Path(n).suffix for n in names} if s in _SUFFIXES]
+    elif path.is_dir():
         if any((path / marker).exists() for marker in _HF_MARKERS):
             return "hf"
         suffixes = {p.suffix for p in path.rglob("*") if p.is_file()}
@@ -99,13 +148,14 @@ def _unreadable(file: str, why: object) -> DataError:
                      "data.path elsewhere")
 
 
-def _parquet_schema_names(file: str) -> list[str]:
+def _parquet_schema_names(file: str, filesystem: Any = None) -> list[str]:
     """Column names from the file's footer; DataError for an empty, cut-off or non-parquet file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        names = pq.read_schema(file).names if Path(file).stat().st_size else None
+        size = filesystem.get_file_info(file).size if filesystem is not None else Path(file).stat().st_size
+        names = pq.read_schema(file, filesystem=filesystem).names if size else None
     except (OSError, ValueError, pa.ArrowException) as err:  # ArrowInvalid is a ValueError, IO errors OSError
         raise _unreadable(file, f"not a valid parquet file ({type(err).__name__}: {err})") from None
     if names is None:  # pyarrow's own message for this case does not say which file
@@ -116,14 +166,14 @@ def _parquet_schema_names(file: str) -> list[str]:
 _UTF8_CHUNK = 16 << 20  # bytes decoded at a time: bounded memory on any file size
 
 
-def _check_utf8(file: str) -> None:
+def _check_utf8(file: str, filesystem: Any = None) -> None:
     """Decode the whole file as UTF-8 in chunks; DataError naming the file and the first bad line."""
     import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = lines = 0  # bytes and newlines of the chunks already decoded, to place an error
     try:
-        with open(file, "rb") as handle:
+        with open(file, "rb") if filesystem is None else filesystem.open_input_stream(file) as handle:
             while chunk := handle.read(_UTF8_CHUNK):
                 try:
                     decoder.decode(chunk)
@@ -167,13 +217,13 @@ def _hf_columns(path: str) -> tuple[str, ...]:
 def iter_local_rows(source: DataSource, batch_size: int) -> Iterator[list[dict[str, Any]]]:
     """Row batches without Ray (for `plan`): dicts with `messages`/`text` keys, or `json_line` for JSONL."""
     if source.format == "jsonl":
-        yield from _iter_jsonl(source.files, batch_size)
+        yield from _iter_jsonl(source.files, batch_size, source.filesystem)
         return
     if source.format == "parquet":
         import pyarrow.parquet as pq
 
         for file in source.files:
-            parquet = pq.ParquetFile(file)
+            parquet = pq.ParquetFile(file, filesystem=source.filesystem)
             for batch in parquet.iter_batches(batch_size=batch_size, columns=list(source.columns)):
                 yield batch.to_pylist()
         return
@@ -182,11 +232,17 @@ def iter_local_rows(source: DataSource, batch_size: int) -> Iterator[list[dict[s
         yield batch.to_pylist()
 
 
-def _iter_jsonl(files: tuple[str, ...], batch_size: int) -> Iterator[list[dict[str, Any]]]:
+def _iter_jsonl(files: tuple[str, ...], batch_size: int,
+                filesystem: Any = None) -> Iterator[list[dict[str, Any]]]:
     batch: list[dict[str, Any]] = []
     for file in files:
+        if filesystem is None:
+            text = Path(file).read_text(encoding="utf-8")
+        else:
+            with filesystem.open_input_stream(file) as stream:
+                text = stream.read().decode("utf-8")
         # Split exactly like ray.data.read_text (str.splitlines, blank lines dropped) so both paths agree.
-        for line in Path(file).read_text(encoding="utf-8").splitlines():
+        for line in text.splitlines():
             if not line.strip():
                 continue
             batch.append({"json_line": line})

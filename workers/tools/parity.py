@@ -136,6 +136,7 @@ def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
     from workers.tools.launch import run_workers
 
     model = _build(spec)
+    _randomize_lora_b(model, spec.seed)
     ids, labels = make_tokens(spec, model.config.vocab_size)
     plan = make_plan(spec.lengths, spec.cp_size, spec.distribute, model)
     total = sum(sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels)
@@ -161,5 +162,20 @@ def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
         "rank_tokens": [r["tokens"] for r in ranks],
     }
     result["ok"] = bool(loss_abs <= tol * max(1.0, abs(ref_loss)) and result["grad_max_rel_diff"] <= tol
-                        and len(params) == len(list(model.parameters())))
+                        and len(params) == sum(p.requires_grad for p in model.parameters()))
     return result
+
+
+def _randomize_lora_b(model, seed: int) -> None:
+    """LoRA (model_kwargs lora_r > 0): give every lora_B random values instead of peft's zeros.
+
+    With B = 0 every lora_A gradient is exactly 0 on both sides, so the check would be blind to A; the
+    ranks and the reference load these same weights from the parent's state_dict.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_B." in name:
+                param.copy_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * 0.1)

@@ -1,0 +1,209 @@
+"""`report RUN_DIR`: a finished or running run in one screen, from its run directory alone.
+
+Reads what the driver persists as the run goes (app/run_files.py): metrics.jsonl (every reported step),
+worker_starts.jsonl, data_summary.json and the config snapshot. A step reported twice (a restarted
+worker group re-trains the steps after its checkpoint) counts once, with its last record, as in the
+`train` summary; so `history` equals `train`'s TrainSummary.history (NaN written as null).
+
+`run_report` returns the stable dict `report --json` prints:
+
+    run_dir, name, status ("finished" | "running or stopped" | "no step yet"), last_step, total_steps,
+    steps, samples, tokens, loss_first, loss_last, loss_min, eval_loss_last,
+    tokens_per_s (all tokens / all step time, as `train` prints it), tokens_per_s_median,
+    tokens_per_s_per_worker_median, step_s_median, mfu_median, padding_fraction_mean,
+    compute_imbalance_median, compute_imbalance_max,
+    planner_ahead_steps_median, planner_ahead_steps_min, planner_wait_s_median, plan_ms_median,
+    starts (worker-group starts), restarts (starts beyond the first of each `train` call: failures and
+    elastic resizes), resumes (`train` calls beyond the first),
+    rank_compute_s_mean (per world rank, over the steps of the newest group shape; null: a spare rank),
+    data (data_summary.json, or null), history (every step's record, in step order)
+
+Missing metrics (a run from before a metric existed) give null, never an error.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from app.config import ConfigError
+from app.run_files import is_run_dir, read_run
+from app.tensorboard_log import scalars
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def _values(history: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(h[key]) for h in history if isinstance(h.get(key), int | float)]
+
+
+def _median(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return float(statistics.median(values)) if values else None
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return float(statistics.fmean(values)) if values else None
+
+
+def step_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last record of every step, in step order (a restarted group's re-trained steps replace)."""
+    return sorted({int(r["step"]): r for r in records}.values(), key=lambda r: int(r["step"]))
+
+
+def rank_compute_means(history: list[dict[str, Any]]) -> list[float | None]:
+    """Mean compute seconds per world rank over the newest group shape's steps (None: a spare rank)."""
+    rows = [h["rank_compute_s"] for h in history if isinstance(h.get("rank_compute_s"), list)]
+    if not rows:
+        return []
+    newest = [row for row in rows if len(row) == len(rows[-1])]
+    columns = zip(*newest, strict=True)
+    return [_mean(v for v in column if v is not None) for column in columns]
+
+
+def _restarts(starts: list[dict[str, Any]]) -> tuple[int, int]:
+    """(restarts within `train` calls, resumes = `train` calls beyond the first)."""
+    calls: dict[str, int] = {}
+    for start in starts:
+        calls[start.get("driver", "")] = calls.get(start.get("driver", ""), 0) + 1
+    return sum(n - 1 for n in calls.values()), max(len(calls) - 1, 0)
+
+
+def _total_steps(run: dict[str, Any]) -> int | None:
+    if run["starts"]:
+        return int(run["starts"][-1]["total_steps"])
+    steps = ((run["config"] or {}).get("train") or {}).get("steps")
+    return int(steps) if steps else None
+
+
+def run_report(run_dir: str | Path) -> dict[str, Any]:
+    """The report of the run in `run_dir` (module docstring); ConfigError if it is not a run directory."""
+    root = Path(run_dir)
+    if not is_run_dir(root):
+        raise ConfigError(f"RUN_DIR {str(root)!r} is not a run directory (no skrull_config.json): pass "
+                          "<run.storage_path>/<run.name> of a `train` run")
+    run = read_run(root)
+    history = step_history(run["records"])
+    last_step = int(history[-1]["step"]) if history else 0
+    total = _total_steps(run)
+    status = "no step yet" if not history else (
+        "finished" if total is not None and last_step >= total else "running or stopped")
+    losses, step_s = _values(history, "loss"), _values(history, "step_s")
+    tokens = sum(int(h.get("tokens", 0)) for h in history)
+    restarts, resumes = _restarts(run["starts"])
+    per_worker = [scalars(h).get("tokens_per_s_per_worker") for h in history]
+    ahead, imbalance = _values(history, "planner_ahead_steps"), _values(history, "compute_imbalance")
+    evals = _values(history, "eval_loss")
+    return {
+        "run_dir": str(root), "name": root.name, "status": status, "last_step": last_step,
+        "total_steps": total, "steps": len(history),
+        "samples": sum(int(h.get("samples", 0)) for h in history), "tokens": tokens,
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "loss_min": min(losses, default=None),
+        "eval_loss_last": evals[-1] if evals else None,
+        "tokens_per_s": tokens / sum(step_s) if sum(step_s) > 0 else None,
+        "tokens_per_s_median": _median(_values(history, "tokens_per_s")),
+        "tokens_per_s_per_worker_median": _median(v for v in per_worker if v is not None),
+        "step_s_median": _median(step_s), "mfu_median": _median(_values(history, "mfu")),
+        "padding_fraction_mean": _mean(_values(history, "padding_fraction")),
+        "compute_imbalance_median": _median(imbalance), "compute_imbalance_max": max(imbalance, default=None),
+        "planner_ahead_steps_median": _median(ahead), "planner_ahead_steps_min": min(ahead, default=None),
+        "planner_wait_s_median": _median(_values(history, "planner_wait_s")),
+        "plan_ms_median": _median(_values(history, "plan_ms")),
+        "starts": len(run["starts"]), "restarts": restarts, "resumes": resumes,
+        "rank_compute_s_mean": rank_compute_means(history), "data": run["data"], "history": history,
+    }
+
+
+def sparkline(values: list[float], width: int = 60) -> str:
+    """values as one line of block characters (the last `width` values), low to high."""
+    values = values[-width:]
+    if not values:
+        return ""
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    return "".join(SPARK[min(int((v - low) / span * len(SPARK)), len(SPARK) - 1)] for v in values)
+
+
+def _fmt(value: float | None, spec: str = ".3g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def report_lines(report: dict[str, Any]) -> list[str]:
+    """The one-screen text form of `run_report`'s dict."""
+    r = report
+    total = f" of {r['total_steps']}" if r["total_steps"] else ""
+    lines = [f"run {r['name']}: {r['status']}, step {r['last_step']}{total}  ({r['run_dir']})"]
+    if r["data"]:
+        lines.append(r["data"]["line"])
+    if not r["history"]:
+        return [*lines, "no step reported yet"]
+    losses = _values(r["history"], "loss")
+    tokens_s = _values(r["history"], "tokens_per_s")
+    evals = f", eval loss {_fmt(r['eval_loss_last'], '.4f')}" if r["eval_loss_last"] is not None else ""
+    lines += [
+        f"steps     {r['steps']} reported, {r['samples']} samples, {r['tokens']} tokens",
+        f"loss      {_fmt(r['loss_first'], '.4f')} -> {_fmt(r['loss_last'], '.4f')} "
+        f"(min {_fmt(r['loss_min'], '.4f')}){evals}",
+        f"          {sparkline(losses)}",
+        f"tokens/s  {_fmt(r['tokens_per_s'], '.0f')} overall, median step "
+        f"{_fmt(r['tokens_per_s_median'], '.0f')} ({_fmt(r['tokens_per_s_per_worker_median'], '.0f')} per "
+        f"worker), step {_fmt(r['step_s_median'])} s",
+        f"          {sparkline(tokens_s)}",
+        f"mfu       median {_fmt(r['mfu_median'])}; padding {_fmt(_pct(r['padding_fraction_mean']), '.1f')}%"
+        " of computed tokens",
+        f"imbalance compute max/mean over ranks: median {_fmt(r['compute_imbalance_median'])}, "
+        f"max {_fmt(r['compute_imbalance_max'])}",
+        f"planner   lead median {_fmt(r['planner_ahead_steps_median'], 'g')} steps "
+        f"(min {_fmt(r['planner_ahead_steps_min'], 'g')}), wait median {_fmt(r['planner_wait_s_median'])} s, "
+        f"plan {_fmt(r['plan_ms_median'])} ms",
+        f"restarts  {r['restarts']} ({r['starts']} worker-group starts, {r['resumes']} resumes)",
+    ]
+    busy = r["rank_compute_s_mean"]
+    if busy:
+        ranks = ", ".join(f"{rank}: {_fmt(s)}" for rank, s in enumerate(busy))
+        lines.append(f"busy s    per rank, mean compute per step: {ranks}")
+    return lines
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def write_plot(report: dict[str, Any], path: str | Path) -> None:
+    """PNG: loss and tokens/s over steps, and every rank's compute (busy) seconds over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    history = report["history"]
+    steps = [int(h["step"]) for h in history]
+    fig, (loss_ax, rate_ax, busy_ax) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    loss_ax.plot(steps, [h.get("loss") for h in history], marker=".", label="loss")
+    evals = [(int(h["step"]), h["eval_loss"]) for h in history if h.get("eval_loss") is not None]
+    if evals:
+        loss_ax.plot(*zip(*evals, strict=True), marker="o", label="eval_loss")
+    loss_ax.set_ylabel("loss")
+    loss_ax.legend()
+    rate_ax.plot(steps, [h.get("tokens_per_s") for h in history], marker=".")
+    rate_ax.set_ylabel("tokens/s")
+    ranks = max((len(h.get("rank_compute_s") or []) for h in history), default=0)
+    for rank in range(ranks):
+        points = [(int(h["step"]), h["rank_compute_s"][rank]) for h in history
+                  if len(h.get("rank_compute_s") or []) > rank and h["rank_compute_s"][rank] is not None]
+        if points:
+            busy_ax.plot(*zip(*points, strict=True), marker=".", label=f"rank {rank}")
+    busy_ax.set_ylabel("busy (compute) s")
+    busy_ax.set_xlabel("step")
+    busy_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if ranks:
+        busy_ax.legend(fontsize="small", ncol=min(ranks, 8))
+    fig.suptitle(f"{report['name']} ({report['status']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

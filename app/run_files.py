@@ -1,0 +1,131 @@
+"""What a run directory holds for `report` and the metric sinks: every read and write of those files.
+
+Written by the driver while the run goes (the progress thread, app/monitor.py), read by `report`, which
+needs nothing but the run directory:
+
+    <run_dir>/metrics.jsonl        one line per reported step record, as ray.train.report carried it
+                                   (world rank 0's; a restarted group's re-trained steps appear again:
+                                   the last line of a step counts), appended across resumes
+    <run_dir>/worker_starts.jsonl  one line per start of the worker group: {"driver", "session",
+                                   "resumed_from_step", "total_steps", "time"}; "driver" names one `train`
+                                   call, so restarts = starts - 1 within each call
+    <run_dir>/data_summary.json    the data scan of the newest `train` call (rows, tokens, statuses)
+    <run_dir>/mlflow_run.json      {"tracking_uri", "run_id"}: the MLflow run a resumed run continues
+
+Consistency while a run is being written: each JSONL record is one write() of one whole line on a file
+opened for appending, and readers take complete lines only (a torn last line, from a writer caught
+mid-write, is left for the next read); JSON documents are replaced whole (write to a temporary file,
+then os.replace). Non-finite floats are written as null (strict JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+STARTS_FILE = "worker_starts.jsonl"
+DATA_SUMMARY_FILE = "data_summary.json"
+MLFLOW_RUN_FILE = "mlflow_run.json"
+CONFIG_FILE = "skrull_config.json"  # app/preflight.py CONFIG_SNAPSHOT writes it
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with every NaN / infinity (a spare rank's compute time, a missing grad norm) as None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(item) for item in value]
+    return value
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one record as one line with a single write (readers never see half of it as whole)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(jsonable(record), allow_nan=False) + "\n"
+    with path.open("a", encoding="utf-8") as out:
+        out.write(line)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete line's record ([] when the file does not exist yet); a torn last line is skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    lines = text.split("\n")[:-1]  # the part after the last newline is an unfinished write
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    """Replace `path` with `document` whole (a reader sees the old or the new file, never a mix)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(jsonable(document), out, indent=1, allow_nan=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The document at `path`, or None when there is none."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+
+
+class RunLog:
+    """The driver's sink for one `train` call: step records to metrics.jsonl, group starts to
+    worker_starts.jsonl (both appended, so a resumed run continues the same files)."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int) -> None:
+        self.run_dir = Path(run_dir)
+        self._total_steps = total_steps
+        self._driver = secrets.token_hex(4)  # one id per `train` call: restarts are counted within it
+
+    def record(self, metrics: dict[str, Any]) -> None:
+        append_jsonl(self.run_dir / METRICS_FILE, metrics)
+
+    def group_started(self, start: dict[str, Any]) -> None:
+        append_jsonl(self.run_dir / STARTS_FILE, {"driver": self._driver, **start,
+                                                  "total_steps": self._total_steps, "time": time.time()})
+
+
+def data_summary(scan: Any, *, train_rows: int, eval_rows: int = 0) -> dict[str, Any]:
+    """The data scan (app/data/pipeline.py DataScan) as data_summary.json's document."""
+    lengths = [int(n) for n in scan.lengths]
+    return {"line": scan.summary(), "rows": int(scan.num_rows), "usable_rows": int(scan.num_usable),
+            "tokens": sum(lengths), "label_tokens": int(scan.label_tokens),
+            "length_median": float(statistics.median(lengths)) if lengths else 0.0,
+            "length_max": max(lengths, default=0),
+            "statuses": {status: int(n) for status, n in scan.counts.items() if n},
+            "train_rows": int(train_rows), "eval_rows": int(eval_rows)}
+
+
+def write_data_summary(run_dir: str | Path, summary: dict[str, Any]) -> None:
+    write_json(Path(run_dir) / DATA_SUMMARY_FILE, summary)
+
+
+def read_run(run_dir: str | Path) -> dict[str, Any]:
+    """Everything `report` reads: {"config", "records", "starts", "data"} (missing parts empty / None)."""
+    root = Path(run_dir)
+    return {"config": read_json(root / CONFIG_FILE), "records": read_jsonl(root / METRICS_FILE),
+            "starts": read_jsonl(root / STARTS_FILE), "data": read_json(root / DATA_SUMMARY_FILE)}
+
+
+def is_run_dir(run_dir: str | Path) -> bool:
+    """A directory `train` made: it holds the config snapshot."""
+    return (Path(run_dir) / CONFIG_FILE).is_file()
