@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 
 from app.__main__ import main
-from app.commands.bench_train import BASELINES, format_report, json_safe, plot_bench, summarize
+from app.commands.bench_train import BASELINES, format_report, plot_bench, summarize
+from app.run_files import jsonable
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("skrull", "static_cp_packed", "static_cp", "sorted")
@@ -97,6 +98,6 @@ def test_summary_medians_ratios_and_missing_baselines(tmp_path: Path) -> None:
     assert skrull["busy_s_per_rank"] == [2.0, 1.0] and skrull["busy_imbalance"] == pytest.approx(4 / 3)
     assert skrull["paired_speedup_vs_sorted"] == 2.5  # median of 4/1, 4/3, 5/2
     assert "skrull: 2.00x vs sorted" in format_report(summary)
-    assert json.loads(json.dumps(json_safe(summary)))["policies"]["skrull"]["predicted_step_s"] is None
+    assert json.loads(json.dumps(jsonable(summary)))["policies"]["skrull"]["predicted_step_s"] is None
     plot_bench(summary, str(tmp_path / "summary.png"))
     assert (tmp_path / "summary.png").stat().st_size > 0

@@ -43,6 +43,7 @@ from typing import Any
 
 from app.commands.common import add_config_arguments, add_json_argument, config_from_args
 from app.config import ConfigError
+from app.run_files import jsonable
 
 DEFAULT_POLICIES = "skrull,static_cp_packed,static_cp,sorted"
 BASELINES = ("static_cp_packed", "static_cp", "sorted")
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         print("\ninterrupted: Ray is shut down; nothing was measured", file=sys.stderr, flush=True)
         return 130
     summary = summarize(result)
-    line = json.dumps(json_safe(summary))
+    line = json.dumps(jsonable(summary))
     _write_atomically(Path(result.run_dir) / "bench_train.json", line + "\n")
     if args.plot:
         plot_bench(summary, args.plot)
@@ -190,17 +191,6 @@ def _loss_max_rel_diff(rows: dict[str, dict[str, Any]]) -> float:
     losses = [row["per_step"]["loss"] for row in rows.values()]
     pairs = [(a, b) for other in losses for a, b in zip(other, losses[0], strict=True)]
     return max((abs(a - b) / max(abs(b), 1e-12) for a, b in pairs), default=0.0)
-
-
-def json_safe(value: Any) -> Any:
-    """NaN / inf become null, so the line is strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
 
 
 # -------------------------------------------------------------------------------------------- output
