@@ -1,8 +1,9 @@
 """`python -m app profile`: measure this machine with the configured model and write a hardware profile.
 
-Runs workers/tools/profile_run.py on parallel.num_workers local processes (the minimum of an elastic
-range, at most the visible GPUs; gloo on CPU, NCCL on CUDA), with the config's model, dtype and attention
-backend, then fits every term of the cost model (scheduling/cost.py) to what was measured:
+Runs workers/tools/profile_run.py in a Ray Train worker group of parallel.num_workers workers (the minimum
+of an elastic range) started as `train` starts its own (same resources per worker, gloo on CPU, NCCL on
+CUDA, Ray joined or embedded the same way), with the config's model, dtype and attention backend, then
+fits every term of the cost model (scheduling/cost.py) to what was measured:
 
     compute     T(F) = F * train_flops_factor / (peak_flops * mfu) + b(W), F the scheduling.cost_formula
                 FLOPs of each case (label tokens included), timed through the DeepSpeed engine as a
@@ -31,12 +32,12 @@ import argparse
 import datetime
 import json
 import math
-import platform
 import sys
 from pathlib import Path
 from typing import Any
 
 from app.commands.common import add_config_arguments, add_json_argument, config_from_args
+from app.config import ConfigError
 
 RESIDUAL_WARNING = 0.15
 
@@ -90,41 +91,66 @@ def _settings(config: Any, args: argparse.Namespace, steps: list[Any], on_gpu: b
         seed=config.train.seed)
 
 
-def _world_size(config: Any, on_gpu: bool) -> int:
-    import torch
-
+def _world_size(config: Any) -> int:
+    """The configured (minimum) worker count: one fixed group, which must hold a CP group."""
     workers = config.parallel.worker_range[0]
-    if on_gpu:
-        workers = min(workers, torch.cuda.device_count())
     if workers < config.parallel.cp_size:
-        raise SystemExit(f"profile: {workers} local worker(s) cannot hold one CP group of parallel.cp_size="
-                         f"{config.parallel.cp_size}")
+        raise ConfigError(f"parallel.num_workers={workers} cannot hold one CP group of parallel.cp_size="
+                          f"{config.parallel.cp_size}")
     return workers
 
 
+def _measuring_config(config: Any, world: int, storage: str) -> Any:
+    """The run's config as one fixed worker group that never restarts, with no planner or Ray Data
+    reservation (profile starts neither), and Ray Train's files in a scratch directory."""
+    import dataclasses
+
+    return dataclasses.replace(
+        config, run=dataclasses.replace(config.run, storage_path=storage),
+        parallel=dataclasses.replace(config.parallel, num_workers=world),
+        train=dataclasses.replace(config.train, max_failures=0),
+        resources=dataclasses.replace(config.resources, planner_cpus=0, data_cpus=0))
+
+
 def measure(config: Any, args: argparse.Namespace) -> tuple[dict, list[Any]]:
-    """The workers' raw measurements, and the whole steps they trained (app/profile_steps.py)."""
-    import torch
+    """The workers' raw measurements, and the whole steps they trained (app/profile_steps.py).
 
+    The measurements run in a Ray Train worker group started like `train`'s (workers/tools/profile_run.py
+    says why); the libraries' output goes to a scratch log, printed only if the measurement fails."""
+    import tempfile
+
+    import ray
+
+    from app.console import captured_output
+    from app.driver import make_trainer, on_this_node, ray_session
     from app.hardware import cost_model
+    from app.monitor import RunMonitor
+    from app.preflight import check_cluster_fits
     from app.profile_steps import planned_steps
-    from workers.tools.launch import run_workers
-    from workers.tools.profile_run import profile_rank
+    from workers.tools.profile_run import profile_loop_per_worker
 
-    on_gpu = torch.cuda.is_available()
-    world = _world_size(config, on_gpu)
+    world = _world_size(config)
     steps = planned_steps(config, cost_model(config), num_batches=args.steps, world_size=world) \
         if args.steps else []
-    results = run_workers(profile_rank, world_size=world, args=(_settings(config, args, steps, on_gpu),))
-    raw = results[0]
-    raw["device"] = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()} cpu x{_cores()}"
+    settings = _settings(config, args, steps, on_gpu=config.resources.gpus_per_worker > 0)
+    with tempfile.TemporaryDirectory(prefix="skrull-profile-") as scratch:
+        measuring = _measuring_config(config, world, scratch)
+        log = Path(scratch) / "profile.log"
+        try:
+            with captured_output(log) as terminal, ray_session(measuring, worker_logs=False) as embedded:
+                warning = check_cluster_fits(measuring, ray.cluster_resources(), embedded=embedded)
+                if warning:
+                    print(warning, file=terminal)
+                monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
+                trainer = make_trainer(measuring, settings, "profile", monitor, loop=profile_loop_per_worker)
+                trainer.fit()
+                (raw,) = ray.get(monitor.since.remote(0))
+        except ConfigError:
+            raise
+        except Exception:
+            print(log.read_text()[-8000:], file=sys.stderr)
+            raise
     return raw, steps
-
-
-def _cores() -> int:
-    import os
-
-    return os.cpu_count() or 1
 
 
 def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str, float], dict[str, float]]:

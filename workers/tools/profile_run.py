@@ -1,4 +1,11 @@
-"""The measurements behind `python -m app profile`, run on every rank of one local process group.
+"""The measurements behind `python -m app profile`, run on every worker of a Ray Train worker group.
+
+`profile_loop_per_worker` is a Ray Train loop: `profile` starts the same TorchTrainer as `train`
+(app/driver.py `make_trainer`: same resources per worker, process group backend and timeouts), so every
+number below is taken in the process tree training runs in. That matters on a small host: Ray starts its
+workers at a lower scheduling priority than its own daemons (raylet's worker_niceness, 15) and beside
+them, and the same planned steps measured 8-17% slower in Ray Train workers than in plain
+torch.distributed processes (docs/benchmarks.md §0).
 
 Every rank builds the configured model (same spec, dtype and attention backend as a training worker)
 and, all ranks at once as in training (on a CPU host they share its cores, as training workers do):
@@ -23,6 +30,7 @@ The returned rows are raw: app/commands/profile.py fits them into a hardware pro
 from __future__ import annotations
 
 import os
+import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -78,17 +86,22 @@ def _slowest(seconds: float, device: torch.device) -> float:
 def _compute_rows(engine: Any, s: ProfileSettings, groups: ParallelGroups,
                   device: torch.device) -> list[dict]:
     """Per case, the slowest rank's median micro-batch time through the DeepSpeed engine (what a training
-    micro-batch costs: forward, backward, ZeRO-2's hooks and gradient reduction over all ranks)."""
-    rows = []
-    for lengths, fraction in s.cases:
-        times = time_micro_batch(engine.module, lengths, repeats=s.repeats,
-                                 loss_chunk_tokens=s.loss_chunk_tokens,
-                                 runtime=groups.attention.single_rank(), label_fraction=fraction,
-                                 seed=s.seed, engine=engine)
-        rows.append({"lengths": list(lengths), "labels": label_tokens(lengths, fraction),
-                     "tokens": int(sum(lengths)), "label_fraction": fraction,
-                     "seconds_median": _slowest(statistics.median(times), device)})
-    return rows
+    micro-batch costs: forward, backward, ZeRO-2's hooks and gradient reduction over all ranks).
+
+    The cases are interleaved, one pass of each per round (A B C ... A B C ...), as `bench train`
+    interleaves its policies: a slow spell of a shared host (a daemon waking up, a frequency change) then
+    lands in one pass of many cases, which the median drops, instead of in every pass of the case that
+    happened to run then (run back to back, one case measured 15% slower than a case with more work)."""
+    times: list[list[float]] = [[] for _ in s.cases]
+    for round_ in range(s.repeats):
+        for case, (lengths, fraction) in enumerate(s.cases):
+            times[case] += time_micro_batch(engine.module, lengths, repeats=1, warmup=int(round_ == 0),
+                                            loss_chunk_tokens=s.loss_chunk_tokens,
+                                            runtime=groups.attention.single_rank(), label_fraction=fraction,
+                                            seed=s.seed, engine=engine)
+    return [{"lengths": list(lengths), "labels": label_tokens(lengths, fraction), "tokens": int(sum(lengths)),
+             "label_fraction": fraction, "seconds_median": _slowest(statistics.median(seconds), device)}
+            for (lengths, fraction), seconds in zip(s.cases, times, strict=True)]
 
 
 def _overlap_row(model: torch.nn.Module, s: ProfileSettings, groups: ParallelGroups, device: torch.device,
@@ -193,5 +206,22 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
     result["optimizer"] = _optimizer_step_s(engine, s, device)
     if s.steps:
         result["steps"] = _whole_steps(engine, s, groups, device)
+    result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" \
+        else f"{platform.machine()} cpu x{os.cpu_count() or 1}"
     del model
     return result
+
+
+def profile_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """`profile_rank` in a Ray Train worker (the torch backend made the world group); every rank reports,
+    and world rank 0's rows reach the driver as the one record of app/monitor.py's RunMonitor."""
+    import ray.train
+
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    if torch.cuda.is_available():
+        import ray.train.torch
+
+        torch.cuda.set_device(ray.train.torch.get_device())
+    raw = profile_rank(rank, context.get_world_size(), loop_config["settings"])
+    ray.train.report({"history": [raw]} if rank == 0 else {})
