@@ -1,5 +1,7 @@
 """`python -m app export`: one tiny Ray training run, exported, loaded by transformers in a fresh process.
 
+The run is tests/conftest.py's `tiny_run` (6 steps, DP 1 x CP 2), shared with test_train_e2e/test_report.
+
 References nobody here wrote: the trained model is rebuilt in this process from the checkpoint with
 DeepSpeed's own `load_state_dict_from_zero_checkpoint` into the run's model with transformers' "eager"
 attention (the export uses "sdpa": fp32 logits agree to ~1e-7 relative, so 1e-5 leaves headroom while a
@@ -20,6 +22,7 @@ import torch
 from app.__main__ import main
 from app.config import ConfigError
 from app.export import export
+from tests.conftest import TINY_RUN_STEPS
 from tests.export_utils import load_in_fresh_process, max_relative_diff, random_sequences, reference_logits
 from tests.test_train_e2e import _config
 
@@ -32,12 +35,13 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="module")
-def trained(local_ray, tmp_path_factory):
-    """A 2-step DP 1 x CP 2 run, exported with the CLI (--json, fp32), and the export loaded afresh."""
-    from app.driver import train
+def trained(tiny_run, tmp_path_factory):
+    """The shared DP 1 x CP 2 run, exported with the CLI (--json, fp32), and the export loaded afresh.
 
+    No Ray runs while it exports: `export` reads the run directory alone, as after a finished job.
+    """
+    summary, _ = tiny_run
     tmp = tmp_path_factory.mktemp("export")
-    summary = train(_config(tmp, "run", "train.steps=2"), progress=False)
     out = tmp / "hf"
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):  # the CLI, in this process (a fresh interpreter costs ~10 s)
@@ -62,7 +66,7 @@ def _rebuilt(config, checkpoint: str, attn: str):
 
 def test_exported_model_gives_the_trained_models_logits(trained) -> None:
     summary, config, out, result, sequences, fresh = trained
-    assert result["kind"] == "model" and result["step"] == 2 and result["dtype"] == "fp32"
+    assert result["kind"] == "model" and result["step"] == TINY_RUN_STEPS and result["dtype"] == "fp32"
     assert result["checkpoint"] == Path(summary.checkpoint).name  # latest = the run's newest checkpoint
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
@@ -110,7 +114,7 @@ def test_bf16_export_of_a_named_checkpoint(trained, tmp_path: Path) -> None:
 
     summary, *_ = trained
     result = export(summary.run_dir, str(tmp_path / "bf16"), checkpoint=summary.checkpoint, dtype="bf16")
-    assert result.dtype == "bf16" and result.step == 2
+    assert result.dtype == "bf16" and result.step == TINY_RUN_STEPS
     with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as weights:
         assert {weights.get_tensor(k).dtype for k in weights.keys()}  # noqa: SIM118 == {torch.bfloat16}
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"

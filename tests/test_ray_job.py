@@ -1,7 +1,8 @@
 """A real `ray start --head` on loopback, then `ray job submit` of the tiny config, as a user would.
 
 The fixture starts Ray in its own process group and temp dir, and stops only that group, never a Ray
-that something else on the machine started.
+that something else on the machine started. Both tests share one head (starting and stopping one
+cost ~37 s here): the job runs on it, and the embedded run must ignore it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from workers.tools.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RAY = Path(sys.executable).with_name("ray")
@@ -47,12 +50,17 @@ def auth_env() -> dict[str, str]:
     return _auth_env()
 
 
-@pytest.fixture
-def ray_head(auth_env: dict[str, str], free_port) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def ray_head(auth_env: dict[str, str]) -> Iterator[str]:
     dashboard = free_port()
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's unix socket paths are length-limited
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **auth_env)
     env.pop("RAY_ADDRESS", None)
+    # A job's workers JIT-build DeepSpeed's shm op with another g++ command than a local run's (measured: the
+    # job and the next embedded run each rebuilt it in a shared cache, ~65 s apiece); the job's own cache
+    # keeps the embedded run's (tests/conftest.py) intact.
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
+    env["TORCH_EXTENSIONS_DIR"] = f"{extensions.rstrip('/')}-ray-job"
     command = [str(RAY), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                f"--port={free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
                f"--ray-client-server-port={free_port()}", "--num-cpus=4", f"--temp-dir={temp_dir}",
@@ -64,10 +72,12 @@ def ray_head(auth_env: dict[str, str], free_port) -> Iterator[str]:
         _wait_for_dashboard(url, proc)
         yield url
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        # `ray start --block` outlived 30 s of SIGTERM in each run measured (2026-11-25), so the SIGKILL of
+        # its group always came: 5 s of grace ends the same way, 25 s sooner.
+        for sig, grace_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 30)):
             try:
                 os.killpg(proc.pid, sig)
-                proc.wait(timeout=30)
+                proc.wait(timeout=grace_s)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
 

@@ -1,8 +1,9 @@
 """Metrics you can watch: metrics.jsonl, mfu / padding_fraction, MLflow, and `report RUN_DIR`.
 
-One tiny Ray training run (tests/test_train_e2e.py's config, 4 steps, ~45 s) serves every end-to-end
-assertion: the run directory alone must give `report` the history `train` returned, MLflow's own client
-must read back every step, and `--plot` must write a PNG that matplotlib reads. A resumed run's MLflow
+One tiny Ray training run (tests/conftest.py's `tiny_run`: tests/test_train_e2e.py's config, 6 steps, logged
+to MLflow, shared with test_train_e2e and test_export) serves every end-to-end assertion: the run directory
+alone must give `report` the history `train` returned, MLflow's own client must read back every step, and
+`--plot` must write a PNG that matplotlib reads. A resumed run's MLflow
 run and `report`'s restart counts are checked without Ray (MlflowLog and RunLog twice on one directory).
 Padding is checked exactly on hand-counted plans against the streams workers/batch.py really builds.
 """
@@ -23,6 +24,7 @@ from app.config import ConfigError, load_config
 from app.run_files import METRICS_FILE, jsonable, read_jsonl
 from scheduling import DacpPlan, StepPlan
 from scheduling.payload import Cursor, Sample, build_rank_payloads, spare_payload
+from tests.conftest import TINY_RUN_STEPS as STEPS
 from workers.batch import build_rank_batch
 from workers.metrics import computed_tokens
 from workers.step import idle_batch
@@ -166,31 +168,15 @@ def _report(run_dir: Path, *flags: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def watched_run(local_ray, tmp_path_factory: pytest.TempPathFactory):
-    """A 4-step run logged to MLflow: (its summary, the MLflow URI)."""
-    import os
-
-    from app.driver import train
-    from tests.test_train_e2e import _config
-
-    root = tmp_path_factory.mktemp("watch")
-    uri = f"file:{root / 'mlruns'}"
-    saved = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # see mlflow_file_store
-    try:
-        summary = train(_config(root, "watched", "train.steps=4", f"train.mlflow_uri={uri}"), progress=False)
-    finally:
-        if saved is None:
-            os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
-        else:
-            os.environ["MLFLOW_ALLOW_FILE_STORE"] = saved
-    return summary, uri
+def watched_run(tiny_run):
+    """The shared 6-step run logged to MLflow: (its summary, the MLflow URI)."""
+    return tiny_run
 
 
 def test_metrics_jsonl_holds_every_step_with_mfu_and_padding(watched_run) -> None:
     summary, _ = watched_run
     records = read_jsonl(Path(summary.run_dir) / METRICS_FILE)
-    assert records == jsonable(summary.history) and len(records) == 4
+    assert records == jsonable(summary.history) and len(records) == STEPS
     for record in records:
         assert 0 < record["mfu"] <= 1, record["mfu"]
         assert 0 <= record["padding_fraction"] < 1, record["padding_fraction"]
@@ -208,7 +194,7 @@ def test_report_json_is_the_runs_history_from_the_run_directory_alone(watched_ru
     report = json.loads(_report(copy, "--json"))
     assert report["history"] == jsonable(summary.history)
     assert (report["status"], report["steps"], report["last_step"], report["total_steps"]) == \
-        ("finished", 4, 4, 4)
+        ("finished", STEPS, STEPS, STEPS)
     assert (report["starts"], report["restarts"], report["resumes"]) == (1, 0, 0)
     assert (report["tokens"], report["samples"]) == (summary.tokens, summary.samples)
     assert (report["loss_first"], report["loss_last"]) == (summary.loss_first, summary.loss_last)
@@ -219,12 +205,12 @@ def test_report_json_is_the_runs_history_from_the_run_directory_alone(watched_ru
 
     # A running run: a record caught mid-write is not read; the complete prefix is.
     with (copy / METRICS_FILE).open("a") as out:
-        out.write('{"step": 5, "loss": 1.')
+        out.write(f'{{"step": {STEPS + 1}, "loss": 1.')
     running = json.loads(_report(copy, "--json"))
     assert running["history"] == jsonable(summary.history)
 
     text = _report(copy)
-    assert f"run {run_dir.name}: finished, step 4 of 4" in text
+    assert f"run {run_dir.name}: finished, step {STEPS} of {STEPS}" in text
     assert "restarts  0 (1 worker-group starts, 0 resumes)" in text
     assert len(text.splitlines()) <= 24  # one screen
 

@@ -39,8 +39,8 @@ def _samples_by_epoch(run_dir: str) -> dict[int, list[int]]:
     return by_epoch
 
 
-def test_dp1_cp2_trains_and_static_cp_gives_the_same_losses(local_ray, tmp_path: Path) -> None:
-    skrull = train(_config(tmp_path, "skrull", "scheduling.policy=skrull"), progress=False)
+def test_dp1_cp2_trains_and_static_cp_gives_the_same_losses(tiny_run, local_ray, tmp_path: Path) -> None:
+    skrull, _ = tiny_run  # this config with scheduling.policy=skrull, 6 steps (tests/conftest.py)
     assert skrull.steps == 6 and skrull.samples == 6 * BATCH
     assert skrull.loss_last < skrull.loss_first - 0.5, skrull.losses
     # 6 steps x 8 samples = two epochs of 24: every sample id exactly once in each epoch.

@@ -74,19 +74,23 @@ def measure_ring(comm: RingComm, sizes_bytes: Sequence[int], *, repeats: int = 5
 
     Collective over `comm.group`: every rank calls it with the same sizes. Rows {"bytes" (actually sent,
     rounded up to whole `dtype` elements), "seconds_median", "seconds_min"}, in the order of the sizes.
-    `warmup` untimed steps per size absorb connection setup and first-touch allocation.
+    `warmup` untimed rounds absorb connection setup and first-touch allocation. The sizes are interleaved,
+    one step of each per round: run size after size, a slow spell of a shared host took every step of the
+    size it fell on (the smallest message once measured 36% slower than one of twice its bytes).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     device = torch.device(device)
-    rows = []
-    for nbytes in sizes_bytes:
-        buf = _buffer(nbytes, dtype, device)
-        step = _ring_step(comm, buf)
-        times = [_timed(step, comm.group, device) for _ in range(warmup + repeats)][warmup:]
-        rows.append({"bytes": buf.numel() * buf.element_size(), "seconds_median": statistics.median(times),
-                     "seconds_min": min(times)})
-    return rows
+    buffers = [_buffer(nbytes, dtype, device) for nbytes in sizes_bytes]
+    steps = [_ring_step(comm, buf) for buf in buffers]
+    times: list[list[float]] = [[] for _ in buffers]
+    for round_ in range(warmup + repeats):
+        for seconds, step in zip(times, steps, strict=True):
+            elapsed = _timed(step, comm.group, device)
+            if round_ >= warmup:
+                seconds.append(elapsed)
+    return [{"bytes": buf.numel() * buf.element_size(), "seconds_median": statistics.median(seconds),
+             "seconds_min": min(seconds)} for buf, seconds in zip(buffers, times, strict=True)]
 
 
 def grad_reduce_buckets(num_params: int, bucket_elements: int) -> list[int]:
