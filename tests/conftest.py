@@ -3,23 +3,26 @@ and free loopback ports."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import pytest
 
+from workers.engine import use_extensions_cache_per_environment
 from workers.tools.launch import free_port as _free_port
 
-# DeepSpeed JIT-builds its shm comm op (deepspeed_shm_comm) in every train worker, cached by name only in
-# ~/.cache/torch_extensions; the cached build.ninja holds the venv's paths, so two checkouts on one machine
-# (a CI clone beside a working tree) rebuild it on each switch: 44 s of g++ per rebuild, measured here
-# (2026-11-25), while the workers of a test run wait for it. One cache per venv; the environment reaches
-# Ray's workers and every subprocess. A TORCH_EXTENSIONS_DIR the user set is kept.
-_VENV = hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser(f"~/.cache/torch_extensions/venv-{_VENV}"))
+# One DeepSpeed op cache per venv (workers/engine.py use_extensions_cache_per_environment), set here too so
+# that it reaches every process a test starts, including those that build ops before any engine.
+use_extensions_cache_per_environment()
+
+# When Ray Train tears down a failed worker group, its torch backend first waits for every worker to
+# destroy its process group, up to TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S (30 s by default), before it
+# kills them. A SIGSTOPped worker (test_resilience's hung peer) never answers, so every hang cost those
+# 30 s on top of the collective timeout. gloo's teardown of a live group takes milliseconds; 5 s is ample.
+# Ray Train reads it in its controller, which inherits it from the environment of the embedded Ray's
+# processes (started from this one).
+os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5")
 
 
 @contextmanager

@@ -41,7 +41,7 @@ def _raw(config) -> dict:
                         "seconds_median": truth.t_comp(flops) + TRUTH["micro_batch_launch_s"] + reduce_s})
     # the cost model's ring step: max(latency, offset + bytes / bandwidth), latency-bound up to 160 KB here
     sizes = (4096, 65536, 1 << 20, 1 << 24)
-    ring = [{"bytes": b, "seconds_min": truth.profile.ring_step_s(b, 2)} for b in sizes]
+    ring = [{"bytes": b, "seconds_p25": truth.profile.ring_step_s(b, 2)} for b in sizes]
     return {
         "world_size": world, "cp_size": 2, "params": params, "device": "test cpu", "compute": compute,
         "ring": ring, "overlap": {"overlap": TRUTH["ring_overlap"]},

@@ -19,6 +19,7 @@ from workers.models import build_model
 from workers.tools.launch import run_workers
 from workers.tools.profile_comm import (
     grad_reduce_buckets,
+    lower_quartile,
     measure_grad_reduce,
     measure_overlap,
     measure_ring,
@@ -87,6 +88,14 @@ def test_grad_reduce_buckets_cut_like_deepspeed_buckets() -> None:
         grad_reduce_buckets(0, 4)
 
 
+def test_lower_quartile_is_the_nearest_rank_25th_percentile() -> None:
+    assert lower_quartile([5.0]) == 5.0
+    assert lower_quartile([4.0, 1.0, 3.0, 2.0]) == 1.0  # fewer than five: the smallest
+    assert lower_quartile([float(v) for v in range(50, 0, -1)]) == 13.0  # the 13th of 50
+    with pytest.raises(ValueError, match="at least one"):
+        lower_quartile([])
+
+
 def test_measurements_reject_zero_repeats() -> None:
     # Checked before any communication, so no process group is needed.
     with pytest.raises(ValueError, match="repeats"):
@@ -126,7 +135,7 @@ def test_comm_measurements_over_a_subgroup() -> None:
     assert members[0] == members[1]
 
     assert [row["bytes"] for row in ring] == SIZES
-    assert all(0 < row["seconds_min"] <= row["seconds_median"] for row in ring)
+    assert all(0 < row["seconds_min"] <= row["seconds_p25"] <= row["seconds_median"] for row in ring)
     assert ring[-1]["seconds_median"] > ring[0]["seconds_median"]
     link = fit_link([row["bytes"] for row in ring], [row["seconds_median"] for row in ring])
     assert link.bandwidth > 0 and link.latency_s >= 0

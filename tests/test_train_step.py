@@ -137,3 +137,17 @@ def test_one_step_equals_the_single_process_step(distributed_grads: Path, case: 
         scale = ref.abs().max().item() + 1e-12
         diff = (ours[name] - ref).abs().max().item()
         assert diff <= 1e-5 * scale + 1e-9, f"{case}: {name} differs by {diff:.3g} (scale {scale:.3g})"
+
+
+def test_deepspeed_ops_are_cached_per_python_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from workers.engine import use_extensions_cache_per_environment
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    mine = use_extensions_cache_per_environment()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == mine
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setattr("sys.prefix", "/opt/another-venv")
+    other = use_extensions_cache_per_environment()
+    assert other != mine and Path(other).parent == Path(mine).parent
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/users/choice")
+    assert use_extensions_cache_per_environment() == "/users/choice"  # a user's setting is kept

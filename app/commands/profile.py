@@ -9,8 +9,9 @@ fits every term of the cost model (scheduling/cost.py) to what was measured:
                 FLOPs of each case (label tokens included), timed through the DeepSpeed engine as a
                 training micro-batch -> mfu, micro_batch_launch_s = b(W) - the measured reduction
     ring        t(bytes) = max(latency, offset + bytes / bandwidth) (T_comm's two regimes) on the CP
-                group, over messages around the model's per-layer K/V shard -> intra_node_latency_s,
-                intra_node_comm_offset_s, intra_node_bandwidth
+                group, over messages around the model's per-layer K/V shard (the lower quartile of
+                each size's steps) -> intra_node_latency_s, intra_node_comm_offset_s,
+                intra_node_bandwidth
     overlap     the share of min(ring, local attention) the ring hides when run beside it -> ring_overlap
     reduce      ZeRO-2's per-micro-batch gradient all-reduce (2 ring passes) of P parameters over W
                 ranks -> grad_reduce_passes = 2, grad_reduce_bandwidth = 2 (W-1)/W * P * bytes / t
@@ -18,8 +19,9 @@ fits every term of the cost model (scheduling/cost.py) to what was measured:
     memory      peak bytes = alpha * tokens + c -> activation_bytes_per_hidden = alpha / (L * h), and the
                 BucketSize that fits the memory budget
     steps       --steps global batches of the run's lengths, planned by skrull, static_cp_packed and
-                static_cp, trained as whole steps -> k = measured / modeled (least squares in relative
-                error), and every time term above is scaled by k (app/profile_steps.py)
+                static_cp, trained as whole steps (each timed in 3 rounds, the median kept) -> k =
+                measured / modeled (least squares in relative error), and every time term above is
+                scaled by k (app/profile_steps.py)
 
 Every fit's largest relative residual is printed; over 15% is a warning naming the term. Fields not
 measured here (peak_flops, inter-node links, gpus_per_node, device memory) keep the configured profile's
@@ -170,9 +172,11 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
     fields = {"mfu": compute.mfu, "micro_batch_launch_s": compute.micro_batch_launch_s}
     residuals = {"compute": compute.max_rel_residual}
     if "ring" in raw:
-        # The fastest of the repeats: what the link does; scheduling noise on a shared host lands in the
-        # medians of single small transfers (a 64 KiB step measured 0.43 ms min, 3.5 ms median).
-        link = fit_two_regime([r["bytes"] for r in raw["ring"]], [r["seconds_min"] for r in raw["ring"]])
+        # The lower quartile of the repeats: scheduling noise on a shared host lands in the medians of
+        # single small transfers (a 64 KiB step measured 0.43 ms min, 3.5 ms median), while the single
+        # fastest is an outlier of its own (fitted, 50 repeats per size: 8-14% residuals against 4-6% for
+        # the lower quartile over five runs; docs/benchmarks.md §0).
+        link = fit_two_regime([r["bytes"] for r in raw["ring"]], [r["seconds_p25"] for r in raw["ring"]])
         fields.update(intra_node_latency_s=max(link.latency_s, 1e-7), intra_node_bandwidth=link.bandwidth,
                       intra_node_comm_offset_s=link.offset_s, ring_overlap=float(raw["overlap"]["overlap"]))
         residuals["ring"] = link.max_rel_residual

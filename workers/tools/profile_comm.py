@@ -73,7 +73,8 @@ def measure_ring(comm: RingComm, sizes_bytes: Sequence[int], *, repeats: int = 5
     """Per size, the time of one ring step: send `bytes` to the next rank while receiving as many.
 
     Collective over `comm.group`: every rank calls it with the same sizes. Rows {"bytes" (actually sent,
-    rounded up to whole `dtype` elements), "seconds_median", "seconds_min"}, in the order of the sizes.
+    rounded up to whole `dtype` elements), "seconds_median", "seconds_p25" (the lower quartile),
+    "seconds_min"}, in the order of the sizes.
     `warmup` untimed rounds absorb connection setup and first-touch allocation. The sizes are interleaved,
     one step of each per round: run size after size, a slow spell of a shared host took every step of the
     size it fell on (the smallest message once measured 36% slower than one of twice its bytes).
@@ -90,7 +91,15 @@ def measure_ring(comm: RingComm, sizes_bytes: Sequence[int], *, repeats: int = 5
             if round_ >= warmup:
                 seconds.append(elapsed)
     return [{"bytes": buf.numel() * buf.element_size(), "seconds_median": statistics.median(seconds),
-             "seconds_min": min(seconds)} for buf, seconds in zip(buffers, times, strict=True)]
+             "seconds_p25": lower_quartile(seconds), "seconds_min": min(seconds)}
+            for buf, seconds in zip(buffers, times, strict=True)]
+
+
+def lower_quartile(values: Sequence[float]) -> float:
+    """The nearest-rank 25th percentile (the smallest value for fewer than five)."""
+    if not values:
+        raise ValueError("lower_quartile needs at least one value")
+    return sorted(values)[(len(values) - 1) // 4]
 
 
 def grad_reduce_buckets(num_params: int, bucket_elements: int) -> list[int]:

@@ -5,7 +5,7 @@
 number below is taken in the process tree training runs in. That matters on a small host: Ray starts its
 workers at a lower scheduling priority than its own daemons (raylet's worker_niceness, 15) and beside
 them, and the same planned steps took 11-29% longer in Ray Train workers than in plain
-torch.distributed processes (docs/benchmarks.md §0).
+torch.distributed processes (docs/benchmarks.md §0b).
 
 Every rank builds the configured model (same spec, dtype and attention backend as a training worker)
 and, all ranks at once as in training (on a CPU host they share its cores, as training workers do):
@@ -22,7 +22,7 @@ and, all ranks at once as in training (on a CPU host they share its cores, as tr
     memory      peak memory of forward+backward above the memory before it, per stream size
     steps       whole training steps (`run_step`: every micro-batch of a planned payload, then the
                 optimizer step) of the payloads app/profile_steps.py planned, after one untimed step;
-                per step the slowest rank's time
+                per step the median over rounds of the slowest rank's time
 
 The returned rows are raw: app/commands/profile.py fits them into a hardware profile.
 """
@@ -48,6 +48,11 @@ from workers.step import run_step, synchronize
 from workers.tools.profile_comm import measure_grad_reduce, measure_overlap, measure_ring
 from workers.tools.profile_compute import label_tokens, time_micro_batch
 from workers.tools.profile_memory import measure_activation_memory
+
+WHOLE_STEP_ROUNDS = 3
+"""Timings of every planned whole step (the median is kept). One timing each left the step scale to a
+single window of host noise: the same 6 steps measured up to 14% apart between two profiles 10 minutes
+apart, moving the scale from 1.18 to 1.11 (docs/benchmarks.md §0)."""
 
 RING_REPEATS = 50
 """Timed ring steps per message size (each well under a millisecond on any host)."""
@@ -125,7 +130,7 @@ def _overlap_row(model: torch.nn.Module, s: ProfileSettings, groups: ParallelGro
     repeats = 2 * s.repeats + 1
     first = measure_overlap(groups.attention.comm, kv_bytes, local_attention, repeats=repeats, device=device)
     big, small = ring[-1], ring[0]
-    bandwidth = (big["bytes"] - small["bytes"]) / max(big["seconds_min"] - small["seconds_min"], 1e-9)
+    bandwidth = (big["bytes"] - small["bytes"]) / max(big["seconds_p25"] - small["seconds_p25"], 1e-9)
     matched = int(min(max(first["compute_s"] * bandwidth, kv_bytes), ring[-1]["bytes"]))
     row = measure_overlap(groups.attention.comm, matched, local_attention, repeats=repeats, device=device)
     return {**row, "bytes": matched, "layer_kv_bytes": kv_bytes}
@@ -158,16 +163,22 @@ def _optimizer_step_s(engine: Any, s: ProfileSettings, device: torch.device) -> 
 
 def _whole_steps(engine: Any, s: ProfileSettings, groups: ParallelGroups,
                  device: torch.device) -> list[float]:
-    """The slowest rank's seconds of each planned step, after the first step once untimed (warm-up)."""
+    """Per planned step, the median over WHOLE_STEP_ROUNDS rounds of the slowest rank's seconds.
+
+    The first step runs once untimed first (warm-up); then every round trains each step once, in order,
+    so a slow spell of the host lands in one round of many steps rather than on every timing of one.
+    """
     def payload(step: dict[tuple[int, int], RankPayload]) -> RankPayload:
         return spare_payload(step[0, 0], 0) if groups.is_spare else step[groups.dp_rank, groups.cp_rank]
 
-    seconds = []
-    for index, step in enumerate(s.steps[:1] + s.steps):
+    def timed(step: dict[tuple[int, int], RankPayload]) -> float:
         stats = run_step(engine, payload(step), groups, device=device, loss_chunk_tokens=s.loss_chunk_tokens)
-        if index > 0:
-            seconds.append(_slowest(stats.compute_s, device))
-    return seconds
+        return _slowest(stats.compute_s, device)
+
+    if s.steps:
+        timed(s.steps[0])
+    rounds = [[timed(step) for step in s.steps] for _ in range(WHOLE_STEP_ROUNDS)]
+    return [statistics.median(times) for times in zip(*rounds, strict=True)]
 
 
 def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
