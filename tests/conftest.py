@@ -1,17 +1,34 @@
-"""Shared fixtures: an embedded local Ray per test module, one tiny training run shared by several modules,
-and free loopback ports."""
+"""Shared fixtures and the suite's two tiers.
+
+- One embedded local Ray for the whole session (`suite_ray`, used through `local_ray`), started on first use;
+  a module that needs another Ray (its own environment, a multi-node cluster) stops it, and the next user
+  starts it again. The tests are ordered so that this happens at most once or twice per session.
+- One tiny training run (`tiny_run`) shared by every test that only reads a run directory.
+- Tiers (scripts/test.sh): every test that starts Ray, a server or a training run in other processes is
+  marked `slow` (by its fixtures here, or by its module); `scripts/test.sh --quick` runs the rest. A test
+  left unmarked that initializes Ray fails, so the quick tier stays quick.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
 from workers.engine import use_extensions_cache_per_environment
 from workers.tools.launch import free_port as _free_port
 
+# The venv's bin first on PATH, as an activated venv has it (CI runs .venv/bin/python without activating):
+# torch JIT-builds DeepSpeed's shm op with the first `ninja` on PATH, and the pip one in the venv (1.13)
+# and a system one (1.11) hash the same build.ninja differently, so processes started with the two PATHs
+# (an embedded run, test_ray_job's `ray start` head) rebuilt the op in turn: ~36 s of g++ each time.
+_VENV_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
+    os.environ["PATH"] = os.pathsep.join([_VENV_BIN, os.environ.get("PATH", "")])
 # One DeepSpeed op cache per venv (workers/engine.py use_extensions_cache_per_environment), set here too so
 # that it reaches every process a test starts, including those that build ops before any engine.
 use_extensions_cache_per_environment()
@@ -19,10 +36,22 @@ use_extensions_cache_per_environment()
 # When Ray Train tears down a failed worker group, its torch backend first waits for every worker to
 # destroy its process group, up to TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S (30 s by default), before it
 # kills them. A SIGSTOPped worker (test_resilience's hung peer) never answers, so every hang cost those
-# 30 s on top of the collective timeout. gloo's teardown of a live group takes milliseconds; 5 s is ample.
+# 30 s on top of the collective timeout. gloo's teardown of a live group takes milliseconds; 2 s is ample.
 # Ray Train reads it in its controller, which inherits it from the environment of the embedded Ray's
 # processes (started from this one).
-os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "5")
+os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "2")
+# Ray Train's controller polls its workers this often (2 s by default) to notice that training ended or a
+# worker died: 2-5 s of idle wait at the end of every run and after every fault. Measured on a 3-step tiny
+# run: 33.7 s -> 27.6 s at 0.25 s (2026-11-25). A poll is one cheap actor call per worker.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+
+RAY_FIXTURES = frozenset({"local_ray", "suite_ray", "tiny_run"})
+"""Fixtures that start Ray: a test using one (directly or through another fixture) is `slow`."""
+
+# Module order: the quick tier first (a failure there answers in minutes), then the tests on the suite's
+# embedded Ray, then those that start a Ray of their own (each stops the suite's: listed last, so that it
+# is not started again).
+LAST_MODULES = ("test_s3_storage.py", "test_ray_job.py", "test_elastic_cluster.py")
 
 
 @contextmanager
@@ -47,39 +76,64 @@ def embedded_ray() -> Iterator[None]:
             os.environ["RAY_ADDRESS"] = previous
 
 
+class SuiteRay:
+    """The session's embedded Ray (see embedded_ray): started by `ensure`, kept until `stop` or the end.
+
+    Starting one costs ~7 s and stopping it ~3 s on 2 cores; nine modules used to start their own.
+    """
+
+    def __init__(self) -> None:
+        self._running: Any = None
+
+    def ensure(self) -> None:
+        if self._running is None:
+            running = embedded_ray()
+            running.__enter__()
+            self._running = running
+
+    def stop(self) -> None:
+        """Shut the suite's Ray down (a module about to start a Ray of its own calls this)."""
+        if self._running is not None:
+            running, self._running = self._running, None
+            running.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def suite_ray() -> Iterator[SuiteRay]:
+    suite = SuiteRay()
+    yield suite
+    suite.stop()
+
+
 @pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    """An embedded Ray for one test module (see embedded_ray)."""
-    with embedded_ray():
-        yield
+def local_ray(suite_ray: SuiteRay) -> Iterator[None]:
+    """The suite's embedded Ray, up for the module (started if a module before stopped it)."""
+    suite_ray.ensure()
+    yield
 
 
 TINY_RUN_STEPS = 6
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory):
+def tiny_run(suite_ray: SuiteRay, tmp_path_factory: pytest.TempPathFactory):
     """One tiny run shared by test_train_e2e, test_export and test_report: (its TrainSummary, MLflow URI).
 
     tests/test_train_e2e.py's config (24 samples of ~30 tokens, batches of 8, DP 1 x CP 2, skrull) for
-    TINY_RUN_STEPS = 6 steps (two epochs), logged to a file MLflow store. Each of those modules used to
-    train its own run of this config (2, 4 and 6 steps, ~60 s each on 2 cores); their assertions hold for
-    this one: the three modules took 312 s before, 198 s after (2026-11-25). Trained on the module's Ray
-    when one is up, else on an embedded Ray of its own (same size as local_ray's), shut down afterwards.
+    TINY_RUN_STEPS = 6 steps (two epochs), logged to a file MLflow store, on the suite's Ray. Each of
+    those modules used to train its own run of this config (2, 4 and 6 steps, ~60 s each on 2 cores).
     """
-    import ray
-
     from app.driver import train
     from tests.test_train_e2e import _config
 
+    suite_ray.ensure()
     root = tmp_path_factory.mktemp("tiny_run")
     uri = f"file:{root / 'mlruns'}"
     config = _config(root, "skrull", "scheduling.policy=skrull", f"train.steps={TINY_RUN_STEPS}",
                      f"train.mlflow_uri={uri}")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 refuses the file store unless asked
-        with nullcontext() if ray.is_initialized() else embedded_ray():
-            summary = train(config, progress=False)
+        summary = train(config, progress=False)
     return summary, uri
 
 
@@ -87,3 +141,34 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory):
 def free_port() -> Callable[[], int]:
     """A function returning a free TCP port on 127.0.0.1 (each call a new one)."""
     return _free_port
+
+
+def _module_rank(item: pytest.Item) -> int:
+    name = item.path.name
+    if name in LAST_MODULES:
+        return 2 + LAST_MODULES.index(name)
+    return 1 if item.get_closest_marker("slow") else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that uses a Ray fixture `slow`, then order: quick, suite Ray, own Ray (stable)."""
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=_module_rank)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test outside the slow tier must not start Ray: its ray.init fails, naming the mark to add (a Ray
+    started there would make `--quick` slow unnoticed)."""
+    if item.get_closest_marker("slow"):
+        return (yield)
+    import ray
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        pytest.fail(f"{item.nodeid} starts Ray: mark it slow (tests/conftest.py)", pytrace=False)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ray, "init", refuse)
+        return (yield)

@@ -21,19 +21,25 @@ ray = pytest.importorskip("ray")
 
 from app.config import load_config  # noqa: E402
 from app.driver import TrainSummary, train  # noqa: E402
+from tests.run_configs import SMALL_VOCAB  # noqa: E402
 
-NUM_SAMPLES, BATCH, STEPS = 40, 8, 20
+# Enough steps that the DP=1 group is still training when the re-added node lets Ray Train grow the group
+# (~18 s from add_node to a grown group on 2 cores, in which the DP=1 group trained 15 steps, 2026-11-25).
+NUM_SAMPLES, BATCH, STEPS = 40, 8, 30
 SLOT = {"train_slot": 1}
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[object]:
+def cluster(suite_ray) -> Iterator[object]:
     from ray.cluster_utils import Cluster
 
+    suite_ray.stop()  # this process joins the cluster instead
     previous = os.environ.pop("RAY_ADDRESS", None)
     # Right after a node loss Ray Train's view of free resources can still count the lost node, so it may
-    # first try the old size and wait this long for it (default 60 s) before taking the size that fits.
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"
+    # first try the old size and wait this long for its placement group (default 60 s) before taking the
+    # size that fits. The timeout covers only that wait: a placement group on free resources is ready at
+    # once (0.00 s in every start logged here), so 5 s is ample.
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "5"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
     for _ in range(2):
         cluster.add_node(num_cpus=0, resources=SLOT)
@@ -75,8 +81,8 @@ def _dp_of_last_step(run_dir: Path) -> int:
 def test_losing_and_regaining_a_node_shrinks_and_grows_the_worker_group(cluster, tmp_path: Path) -> None:
     config = load_config("configs/tiny-cpu.yaml", [
         f"run.storage_path={tmp_path}", "run.name=elastic", f"data.num_samples={NUM_SAMPLES}",
-        "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", f"train.steps={STEPS}",
-        "parallel.cp_size=1", "parallel.num_workers=[1, 2]", "parallel.resize_check_s=2",
+        "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", SMALL_VOCAB, f"train.steps={STEPS}",
+        "parallel.cp_size=1", "parallel.num_workers=[1, 2]", "parallel.resize_check_s=1",
         "resources.cpus_per_worker=0", "resources.worker_resources={train_slot: 1}",
         "train.checkpoint_every=1", "train.max_failures=4", "train.collective_timeout_s=15",
     ])
@@ -109,7 +115,7 @@ def test_losing_and_regaining_a_node_shrinks_and_grows_the_worker_group(cluster,
         assert len(records) == len({r["dp_rank"] for r in records})  # one line per DP rank of that step
         for record in records:
             by_epoch.setdefault(record["epoch"], []).extend(record["sample_ids"])
-    for ids in by_epoch.values():  # 20 steps x 8 = 4 whole epochs of 40: each id once per epoch
+    for ids in by_epoch.values():  # 30 steps x 8 = 6 whole epochs of 40: each id once per epoch
         assert sorted(ids) == list(range(NUM_SAMPLES))
 
 
@@ -121,7 +127,7 @@ def test_a_worker_count_that_is_not_a_multiple_of_cp_trains_with_a_spare(cluster
     _wait_for(lambda: ray.available_resources().get("train_slot", 0) == 3, "three free train slots", 60)
     config = load_config("configs/tiny-cpu.yaml", [
         f"run.storage_path={tmp_path}", "run.name=spare", f"data.num_samples={NUM_SAMPLES}",
-        "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", "train.steps=5",
+        "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", SMALL_VOCAB, "train.steps=5",
         "parallel.cp_size=2", "parallel.num_workers=[2, 4]", "resources.cpus_per_worker=0",
         "resources.worker_resources={train_slot: 1}", "parallel.resize_check_s=1",
     ])

@@ -22,6 +22,7 @@ from app.preflight import check_eval_source
 from scheduling.eval_plan import plan_eval
 from scheduling.holdout import held_out, splitmix64
 from scheduling.payload import Sample
+from tests.run_configs import SMALL_VOCAB
 
 NUM_SAMPLES = 24
 BATCH = 4
@@ -124,7 +125,7 @@ def test_an_eval_set_without_a_sample_is_an_error(tmp_path: Path) -> None:
 def eval_run(local_ray, tmp_path_factory):
     from app.driver import train
 
-    config = _config(tmp_path_factory.mktemp("eval"), "eval", "scheduling.policy=skrull",
+    config = _config(tmp_path_factory.mktemp("eval"), "eval", "scheduling.policy=skrull", SMALL_VOCAB,
                      f"data.eval_fraction={FRACTION}", "train.eval_every=2", "train.log_every=3")
     summary = train(config, progress=False)
     return config, summary, _eval_rows(config)

@@ -17,6 +17,7 @@ import torch
 from app.config import ConfigError, load_config
 from app.export import export
 from tests.export_utils import load_in_fresh_process, max_relative_diff, random_sequences, reference_logits
+from tests.run_configs import SMALL_VOCAB
 from tests.test_train_e2e import _config
 from workers.tools.parity import ParitySpec, run_parity
 
@@ -58,7 +59,7 @@ def lora_run(local_ray, tmp_path_factory):
     from app.driver import train
 
     tmp = tmp_path_factory.mktemp("lora")
-    run = train(_config(tmp, "lora", *LORA, f"train.steps={STEPS}"), progress=False)
+    run = train(_config(tmp, "lora", *LORA, f"train.steps={STEPS}", SMALL_VOCAB), progress=False)
     # In this process (the CLI is covered by test_export.py): a fresh interpreter costs ~10 s here.
     exports = {kind: export(run.run_dir, str(tmp / kind), merge=kind == "merged")
                for kind in ("adapter", "merged")}
@@ -85,7 +86,7 @@ def test_exported_adapter_and_merged_model_give_the_trained_models_logits(lora_r
     adapter_dir = Path(exports["adapter"].out)
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
         p.name for p in adapter_dir.iterdir()}
-    config = _config(tmp, "lora", *LORA)
+    config = _config(tmp, "lora", *LORA, SMALL_VOCAB)
     spec = model_spec(config.model, config.train, tokenizer=config.data.tokenizer)
     # The trained model: the run's LoRA model ("eager" attention) + DeepSpeed's consolidated adapter weights.
     model = spec.build("eager").eval()

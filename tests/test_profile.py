@@ -107,6 +107,7 @@ def test_fit_step_scale_minimizes_the_relative_error() -> None:
         fit_step_scale([1.0], [0.0])
 
 
+@pytest.mark.slow  # a Ray Train worker group
 def test_profile_measures_this_machine_and_writes_a_loadable_profile(tmp_path: Path, capsys) -> None:
     out = tmp_path / "measured.yaml"
     sets = [part for s in TINY for part in ("--set", s)]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.run_configs import SMALL_VOCAB
 from workers.tools.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,16 +52,12 @@ def auth_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ray_head(auth_env: dict[str, str]) -> Iterator[str]:
+def ray_head(auth_env: dict[str, str], suite_ray) -> Iterator[str]:
+    suite_ray.stop()  # nothing here uses it: its idle daemons would only take CPU from the head's run
     dashboard = free_port()
     temp_dir = tempfile.mkdtemp(prefix="rj", dir="/tmp")  # short: Ray's unix socket paths are length-limited
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", **auth_env)
     env.pop("RAY_ADDRESS", None)
-    # A job's workers JIT-build DeepSpeed's shm op with another g++ command than a local run's (measured: the
-    # job and the next embedded run each rebuilt it in a shared cache, ~65 s apiece); the job's own cache
-    # keeps the embedded run's (tests/conftest.py) intact.
-    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions"))
-    env["TORCH_EXTENSIONS_DIR"] = f"{extensions.rstrip('/')}-ray-job"
     command = [str(RAY), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
                f"--port={free_port()}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
                f"--ray-client-server-port={free_port()}", "--num-cpus=4", f"--temp-dir={temp_dir}",
@@ -89,7 +86,7 @@ def test_ray_job_submit_trains_the_tiny_config(ray_head: str, auth_env: dict[str
         sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml", "--json",
         "--set", f"run.storage_path={tmp_path}", "--set", "run.name=job", "--set", "train.steps=3",
         "--set", "data.num_samples=24", "--set", "data.length_scale=0.1",
-        "--set", "scheduling.global_batch_size=8",
+        "--set", "scheduling.global_batch_size=8", "--set", SMALL_VOCAB,
     ]
     env = dict(os.environ, **auth_env)
     env.pop("RAY_ADDRESS", None)

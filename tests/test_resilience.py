@@ -23,18 +23,24 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # Ray Train runs, one of them a driver process of its own
+
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
+from app.__main__ import main  # noqa: E402
 from app.config import ConfigError, load_config  # noqa: E402
 from app.driver import TrainSummary, train  # noqa: E402
 from app.preflight import recorded_step  # noqa: E402
+from tests.run_configs import SMALL_VOCAB  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_SAMPLES, BATCH, STEPS = 40, 8, 6
-HUNG_TIMEOUT_S = 20
+# Long enough for every legitimate wait in a collective of these runs (steps and checkpoints of
+# milliseconds, ranks that start within a second or two of each other), short enough not to idle.
+HUNG_TIMEOUT_S = 10
 COMMON = [f"data.num_samples={NUM_SAMPLES}", "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}",
-          "parallel.cp_size=1", "parallel.num_workers=2"]
+          "parallel.cp_size=1", "parallel.num_workers=2", SMALL_VOCAB]
 
 
 def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
@@ -176,12 +182,29 @@ def test_an_uninterrupted_run_reports_every_step_and_keeps_two_checkpoints(refer
     assert len([p for p in Path(summary.run_dir).glob("checkpoint_*") if p.is_dir()]) == 2
 
 
-def test_resume_on_another_worker_count(reference, tmp_path: Path) -> None:
-    """2 workers to step 2, then 1 worker to step 4, then 2 again to step 6 (ZeRO-2 via universal)."""
+@pytest.fixture(scope="module")
+def shrunk(local_ray, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainSummary, TrainSummary]:
+    """Run "dp": 2 workers to step 2, then 1 worker to step 4 (ZeRO-2 state through a universal checkpoint).
+
+    Shared by the two resume tests below: the second grows the same run back to 2 workers (one run of
+    three calls, as before, split so that neither test holds all three).
+    """
+    tmp_path = tmp_path_factory.mktemp("resume")
     first = train(_config(tmp_path, "dp", "train.steps=2"), progress=False)
-    assert [h["world_size"] for h in first.history] == [2, 2]
     shrunk = train(_config(tmp_path, "dp", "train.steps=4", "parallel.num_workers=1"), progress=False)
+    return tmp_path, first, shrunk
+
+
+def test_resume_on_fewer_workers(shrunk, reference) -> None:
+    _, first, shrunk = shrunk
+    assert [h["world_size"] for h in first.history] == [2, 2]
     assert shrunk.resumed_from_step == 2 and [h["world_size"] for h in shrunk.history] == [1, 1]
+    assert first.losses + shrunk.losses == pytest.approx(reference[:4], rel=1e-4)
+
+
+def test_resume_on_more_workers_and_what_a_rerun_refuses(shrunk, reference) -> None:
+    """The shrunk run grown to 2 workers again to step 6; then a changed math key, and a finished run."""
+    tmp_path, first, shrunk = shrunk
     grown = train(_config(tmp_path, "dp"), progress=False)
     assert grown.resumed_from_step == 4 and [h["world_size"] for h in grown.history] == [2, 2]
     assert first.losses + shrunk.losses + grown.losses == pytest.approx(reference, rel=1e-4)
@@ -193,20 +216,28 @@ def test_resume_on_another_worker_count(reference, tmp_path: Path) -> None:
         train(_config(tmp_path, "dp"), progress=False)
 
 
-def test_a_killed_worker_and_a_hung_peer_are_recovered_from_the_newest_checkpoint(reference,
-                                                                                   tmp_path: Path) -> None:
-    """SIGKILL a train worker (by pid) after step 2, SIGSTOP one of the restarted group after step 4.
+def test_a_killed_worker_and_a_killed_planner_are_recovered_from_the_newest_checkpoint(
+        reference, tmp_path: Path) -> None:
+    """SIGKILL a train worker (by pid) after step 2; ray.kill the planner after step 4 (Ray restarts it,
+    the restarted worker group moves it to the checkpoint's cursor)."""
+    faults = [(2, _signal_a_worker(signal.SIGKILL, set())), (4, _kill_the_planner)]
+    summary, _ = _train_with_faults(tmp_path, "planner", faults, "train.max_failures=2")
+    assert summary.restarts == 2 and summary.steps == STEPS
+    assert summary.losses == pytest.approx(reference, rel=1e-4)
+    _assert_samples_exact(summary.run_dir, STEPS)
+
+
+def test_a_hung_peer_is_recovered_from_the_newest_checkpoint(reference, tmp_path: Path) -> None:
+    """SIGSTOP a train worker after step 2.
 
     The stopped peer's partners fail their next collective (the gradient reduce-scatter over ZeRO's
     group, or the metrics reduction) after train.collective_timeout_s; Ray Train then tears the group
     down (SIGKILL reaches a stopped process) and restarts it from the newest checkpoint.
     """
-    signaled: set[int] = set()
-    faults = [(2, _signal_a_worker(signal.SIGKILL, signaled)),
-              (4, _signal_a_worker(signal.SIGSTOP, signaled))]
-    summary, injector = _train_with_faults(tmp_path, "faults", faults, "train.max_failures=2",
+    faults = [(2, _signal_a_worker(signal.SIGSTOP, set()))]
+    summary, injector = _train_with_faults(tmp_path, "hung", faults, "train.max_failures=1",
                                            f"train.collective_timeout_s={HUNG_TIMEOUT_S}")
-    assert summary.restarts == 2 and summary.steps == STEPS
+    assert summary.restarts == 1 and summary.steps == STEPS
     assert summary.losses == pytest.approx(reference, rel=1e-4)
     _assert_samples_exact(summary.run_dir, STEPS)
     # The hung step failed within the timeout: the next group had rewritten samples.jsonl soon after it
@@ -214,14 +245,13 @@ def test_a_killed_worker_and_a_hung_peer_are_recovered_from_the_newest_checkpoin
     assert injector.recovered_after_s[-1] < HUNG_TIMEOUT_S + 90, injector.recovered_after_s
 
 
-def test_a_killed_planner_is_restarted_from_the_checkpoint_cursor(reference, tmp_path: Path) -> None:
-    summary, _ = _train_with_faults(tmp_path, "planner", [(2, _kill_the_planner)], "train.max_failures=1")
-    assert summary.restarts == 1 and summary.steps == STEPS
-    assert summary.losses == pytest.approx(reference, rel=1e-4)
-    _assert_samples_exact(summary.run_dir, STEPS)
+def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(local_ray, tmp_path: Path,
+                                                                         capsys) -> None:
+    """SIGINT to a `train` driver process (its own embedded Ray) after step 2; the command it prints runs.
 
-
-def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(tmp_path: Path) -> None:
+    The printed command is run through the CLI's own entry point (app.__main__.main) in this process, on
+    the suite's Ray: a second interpreter and Ray would only repeat ~15 s of start-up.
+    """
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own embedded Ray
     command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml", "--no-progress",
                *(part for o in _overrides(tmp_path, "", "train.checkpoint_every=1") for part in ("--set", o))]
@@ -242,10 +272,9 @@ def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(tmp_pat
 
     resume = shlex.split(stderr.decode().split("Resume with:")[1].strip().splitlines()[0])
     assert resume[:4] == ["python", "-m", "app", "train"]
-    rerun = subprocess.run([sys.executable, *resume[1:], "--json"], cwd=REPO, env=env, capture_output=True,
-                           timeout=400, check=False)
-    assert rerun.returncode == 0, rerun.stderr.decode()[-3000:]
-    summary = json.loads(rerun.stdout.decode().strip().splitlines()[-1])
+    capsys.readouterr()
+    assert main([*resume[3:], "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["resumed_from_step"] >= 2 and summary["steps"] == STEPS - summary["resumed_from_step"]
     _assert_samples_exact(summary["run_dir"], STEPS)
 

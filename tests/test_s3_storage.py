@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from app.config import ConfigError, DataConfig, load_config
+from tests.run_configs import SMALL_VOCAB
 from workers.storage import Location
 from workers.tools.launch import free_port
 
@@ -69,8 +70,12 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout_s: float = 30.0
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    """moto_server on loopback with one bucket; AWS credentials in the environment; stopped by its pid."""
+def s3(suite_ray) -> Iterator[S3Server]:
+    """moto_server on loopback with one bucket; AWS credentials in the environment; stopped by its pid.
+
+    The suite's Ray is restarted around the module: its processes must inherit these credentials, as a
+    user's embedded Ray inherits the shell's, and no later module's Ray may keep them.
+    """
     import boto3
 
     moto = Path(sys.executable).parent / "moto_server"  # from the dev extra: moto[server]
@@ -83,12 +88,14 @@ def s3() -> Iterator[S3Server]:
             env.delenv(name, raising=False)
         process = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        suite_ray.stop()
         try:
             _wait_for_port(port, process)
             client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
             client.create_bucket(Bucket=BUCKET)
             yield S3Server(port=port, client=client)
         finally:
+            suite_ray.stop()
             process.terminate()
             process.wait(timeout=30)
 
@@ -245,7 +252,7 @@ def runs(s3: S3Server, local_ray, tmp_path_factory) -> dict[str, object]:
         return load_config("configs/tiny-cpu.yaml", [
             f"run.storage_path={s3.uri('runs')}", "run.name=s3run", "data.source=path",
             f"data.path={s3.uri('data/x.parquet')}", f"scheduling.global_batch_size={BATCH}",
-            f"train.steps={steps}", "train.checkpoint_every=2", "train.keep_checkpoints=0"])
+            f"train.steps={steps}", "train.checkpoint_every=2", "train.keep_checkpoints=0", SMALL_VOCAB])
 
     first = train(config(2), progress=False, quiet=True)
     after_first = s3.keys("runs/s3run/")

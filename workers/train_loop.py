@@ -197,6 +197,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     groups = parallel_groups(settings, device)
     checkpoint = ray.train.get_checkpoint()
     resume = resume_point(checkpoint)
+    if resume is not None and resume.step >= settings.total_steps:
+        # A group started after the final checkpoint (an elastic resize or a restart in the moment between
+        # the last report and the end of the run): the run is complete, there is nothing to plan or train.
+        return
     session = uuid.uuid4().hex  # only world rank 0's is used: it names this start of the worker group
     is_rank0 = context.get_world_rank() == 0
     if is_rank0:
