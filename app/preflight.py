@@ -41,10 +41,12 @@ def check_model_source(model: ModelConfig) -> None:
         )
     from transformers import AutoConfig
 
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import: a value set later in this process (a notebook,
+    # a test) would be ignored and a typo would cost ~23 s of retries against an unreachable hub.
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
     try:
-        AutoConfig.from_pretrained(name)  # the hub or its local cache; HF_HUB_OFFLINE=1 means cache only
+        AutoConfig.from_pretrained(name, local_files_only=offline)  # the hub, or its local cache only
     except (OSError, ValueError) as err:
-        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         hub = "the Hugging Face hub cache (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub"
         raise ConfigError(
             f"model.name_or_path={name!r} is not a preset ({', '.join(TINY_PRESETS)}), not a local "

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,9 +25,9 @@ from app.config import load_config  # noqa: E402
 from app.driver import TrainSummary, train  # noqa: E402
 from tests.run_configs import SMALL_VOCAB  # noqa: E402
 
-# Enough steps that the DP=1 group is still training when the re-added node lets Ray Train grow the group
-# (~18 s from add_node to a grown group on 2 cores, in which the DP=1 group trained 15 steps, 2026-11-25).
-NUM_SAMPLES, BATCH, STEPS = 40, 8, 30
+# 20 steps of 8 = four whole epochs of 40. The DP=1 group is held at its next step while the node comes back
+# (see _hold_the_planner), so the count need not outlast the ~18 s from add_node to a grown group.
+NUM_SAMPLES, BATCH, STEPS = 40, 8, 20
 SLOT = {"train_slot": 1}
 
 
@@ -70,7 +72,45 @@ def _wait_for(condition, what: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        time.sleep(0.1)
+
+
+def _group_starts(run_dir: Path) -> int:
+    """Starts of the worker group the driver has recorded (worker_starts.jsonl, app/run_files.py)."""
+    try:
+        return len((run_dir / "worker_starts.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def _refresh_ray_trains_view(slots: int) -> None:
+    """Once Ray's node table shows `slots` live train slots, make Ray's AutoscalingCoordinator re-read it.
+
+    Ray Train's elastic policy sizes the worker group from that actor's view of the cluster, which it
+    refreshes every 20 s (TICK_INTERVAL_S, not configurable): a node change waited up to 20 s for Ray Train
+    to see it. This runs the same refresh (its `_tick`) at once, as its next tick would.
+    """
+    def live() -> int:
+        return sum(1 for node in ray.nodes() if node["Alive"] and node["Resources"].get("train_slot"))
+
+    _wait_for(lambda: live() == slots, f"{slots} live nodes with a train slot", 60)
+    coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    ray.get(coordinator.__ray_call__.remote(lambda actor: actor._tick()))
+
+
+@contextmanager
+def _hold_the_planner() -> Iterator[None]:
+    """SIGSTOP the run's planner actor, SIGCONT on exit: each worker asks it for every step's plan (one
+    blocking actor call), so the group in training waits at its next step, as behind a slow planner, and
+    cannot finish the run before Ray Train's resize monitor has acted. Ray Train's controller never calls
+    the planner, so its decisions are unaffected; the grown group's restart call waits until the exit."""
+    (name,) = [n for n in ray.util.list_named_actors() if n.startswith("skrull-planner-elastic-")]
+    pid = ray.get(ray.get_actor(name).__ray_call__.remote(lambda actor: os.getpid()))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def _dp_of_last_step(run_dir: Path) -> int:
@@ -99,8 +139,12 @@ def test_losing_and_regaining_a_node_shrinks_and_grows_the_worker_group(cluster,
     trainer.start()
     _wait_for(lambda: max(_steps(run_dir), default=0) >= 3 and _dp_of_last_step(run_dir) == 2, "DP=2 steps")
     cluster.remove_node(cluster.worker_nodes.copy().pop())  # one worker node (and its train worker) is gone
+    _refresh_ray_trains_view(slots=1)
     _wait_for(lambda: _dp_of_last_step(run_dir) == 1, "a step trained at DP=1 after the node loss")
-    cluster.add_node(num_cpus=0, resources=SLOT)
+    with _hold_the_planner():
+        cluster.add_node(num_cpus=0, resources=SLOT)
+        _refresh_ray_trains_view(slots=2)
+        _wait_for(lambda: _group_starts(run_dir) >= 3, "the worker group grown back to DP=2")
     trainer.join(timeout=600)
     assert "error" not in result, result.get("error")
     summary = result["summary"]
@@ -115,7 +159,7 @@ def test_losing_and_regaining_a_node_shrinks_and_grows_the_worker_group(cluster,
         assert len(records) == len({r["dp_rank"] for r in records})  # one line per DP rank of that step
         for record in records:
             by_epoch.setdefault(record["epoch"], []).extend(record["sample_ids"])
-    for ids in by_epoch.values():  # 30 steps x 8 = 6 whole epochs of 40: each id once per epoch
+    for ids in by_epoch.values():  # 20 steps x 8 = 4 whole epochs of 40: each id once per epoch
         assert sorted(ids) == list(range(NUM_SAMPLES))
 
 
