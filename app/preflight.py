@@ -6,9 +6,8 @@ hub id through its config only, honoring HF_HUB_OFFLINE), the data source and to
 hardware profile is loaded strictly and the output directory must be writable.
 
 Secrets: a URI with credentials in it (user:password@, access_key / secret_key / session_token) is refused
-(the environment holds them),
-and every message naming run.storage_path or data.path shows the URI with its secrets redacted
-(workers/storage.py redact_uri / redact_text); the config snapshot holds the redacted URIs.
+(the environment holds them), and every message naming run.storage_path or data.path shows the URI with its
+secrets redacted (workers/storage.py redact_uri / redact_text); the config snapshot holds redacted URIs.
 
 With Ray up, before the trainer (`check_cluster_fits`, `check_epoch_fits`): the requested workers fit the
 cluster's resources, and one global batch fits one epoch of usable rows. Every failure is a ConfigError,
@@ -171,7 +170,7 @@ def _changed_math(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 def _changed_data(run_dir: Location, data: dict[str, Any]) -> list[str]:
-    """`data.path: its files changed (...)` for every dataset whose fingerprint differs from the run's."""
+    """`data.path: the data changed (...)` for every dataset whose fingerprint differs from the run's."""
     from app.data.fingerprint import describe_change
 
     recorded = run_dir / DATA_SNAPSHOT

@@ -169,8 +169,12 @@ class Lease:
                   f"renewing it ({describe(current)}, renewed {age:.0f} s ago)", file=self.out, flush=True)
         self.record = holder_record()
         self.where.write_text(json.dumps(self.record))
-        time.sleep(self.settle_s)
-        back = self.read()
+        try:
+            time.sleep(self.settle_s)
+            back = self.read()
+        except BaseException:  # Ctrl-C / SIGTERM while settling: leave no lease of ours behind
+            self._delete_if_ours()
+            raise
         if back.get("token") != self.record["token"]:
             raise _locked_error(self.run, back, "; it took the lease at the same moment")
         self._thread = threading.Thread(target=self._beat, name="skrull-run-lease", daemon=True)
@@ -205,6 +209,9 @@ class Lease:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._delete_if_ours()
+
+    def _delete_if_ours(self) -> None:
         with contextlib.suppress(OSError):
             if self.record and self.read().get("token") == self.record["token"]:
                 self.where.delete()
