@@ -98,8 +98,8 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
             driver.kill()
             pytest.fail(f"the driver trained no step: {driver.communicate()[1].decode()[-3000:]}")
         time.sleep(0.2)
-    time.sleep(1.0)  # a few more samples while the workers train (their store and gloo sockets are up)
-    sampler.stop.set()
+    sampler.sample()  # once more while the workers train (their store and gloo sockets have been up since
+    sampler.stop.set()  # their group started, sampled every 0.25 s)
     sampler.join()
     ray_processes = psutil.Process(driver.pid).children(recursive=True)
     driver.send_signal(signal.SIGTERM)
