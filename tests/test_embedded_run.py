@@ -98,8 +98,10 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
             driver.kill()
             pytest.fail(f"the driver trained no step: {driver.communicate()[1].decode()[-3000:]}")
         time.sleep(0.2)
-    sampler.sample()  # once more while the workers train (their store and gloo sockets have been up since
-    sampler.stop.set()  # their group started, sampled every 0.25 s)
+    # The workers' store and gloo sockets have been up since their group started (sampled every 0.25 s);
+    # one more sample while they train.
+    sampler.sample()
+    sampler.stop.set()
     sampler.join()
     ray_processes = psutil.Process(driver.pid).children(recursive=True)
     driver.send_signal(signal.SIGTERM)
