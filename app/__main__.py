@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 from app.config import ConfigError
 
@@ -53,12 +54,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = build_command_parser(argv[0]).parse_args(argv[1:])
     from scheduling import SchedulingError
+    from workers.storage import redact_text
 
+    if sys.excepthook is sys.__excepthook__:  # the interpreter's own printer (not an embedding one's)
+        sys.excepthook = _redacting_excepthook
     try:
         return int(args._module.run(args) or 0)
     except (ConfigError, SchedulingError) as err:
-        print(f"skrull {args.command}: error: {err}", file=sys.stderr)
+        print(f"skrull {args.command}: error: {redact_text(str(err))}", file=sys.stderr)
         return 2
+
+
+def _redacting_excepthook(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+    """Print an unhandled error's traceback without URI secrets (workers/storage.py redact_text): library
+    errors repeat the URIs they failed on, credentials included."""
+    import traceback
+
+    from workers.storage import redact_text
+
+    sys.stderr.write(redact_text("".join(traceback.format_exception(kind, error, trace))))
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def _run(config: SkrullConfig, policies: tuple[str, ...], steps: int, name: str,
         monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
         settings = BenchSettings(worker=worker_settings(config, None, monitor, total, str(run_dir)),
                                  planners=planners, warmup_steps=WARMUP_STEPS)
-        trainer = make_trainer(config, settings, name, monitor, loop=bench_loop_per_worker)
+        trainer = make_trainer(config, settings, name, monitor, loop=bench_loop_per_worker, embedded=embedded)
         _, records = fit_with_progress(config, trainer, monitor, total, progress=progress, out=out)
     if len(records) != total * len(policies):
         raise RuntimeError(f"the workers reported {len(records)} of {total * len(policies)} (step, policy) "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,8 +32,17 @@ from typing import Any, Literal
 
 import yaml
 
+from workers.storage import carries_credentials, redact_text, redact_uri
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
+
+
+CREDENTIAL_HINT = ("an access_key / secret_key / session_token query value): remove them and set them in "
+                   "the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or "
+                   "AWS_PROFILE)")
+_RUN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+"""What run.name may hold: one path component of letters, digits, '-', '_' and '.'."""
 
 
 class ConfigError(ValueError):
@@ -52,6 +62,17 @@ class RunConfig:
     storage_path: str = "runs"
     """Directory that holds runs (relative to the cwd), or a filesystem URI such as s3://bucket/prefix
     (workers/storage.py); on a cluster it must be shared by all nodes."""
+
+    def __post_init__(self) -> None:
+        # One path component: a name with a separator or `..` would put the run outside storage_path.
+        one_component = _RUN_NAME.fullmatch(self.name) is not None and self.name not in (".", "..")
+        _require(self.name == "" or one_component,
+                 f"run.name={self.name!r} must be one path component: letters, digits, '-', '_' and '.' "
+                 "(not '.' or '..'), or empty for a generated name")
+        # Credentials in a URI would be echoed by every message and file that names the URI.
+        _require(not carries_credentials(self.storage_path),
+                 f"run.storage_path={redact_uri(self.storage_path)!r} carries credentials (user:password@ or "
+                 f"{CREDENTIAL_HINT}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -531,8 +552,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for count, (text, _, _) in enumerate(parsed, start=1):
         try:
             _build_with_overrides(tree, [(key, value) for _, key, value in parsed[:count]])
-        except ConfigError as err:
-            raise ConfigError(f"--set {text}: {err}") from None
+        except ConfigError as err:  # the override as typed, without a URI's secrets
+            raise ConfigError(f"--set {redact_text(text)}: {err}") from None
     raise failure  # unreachable: the full set failed, so some prefix does
 
 

@@ -15,12 +15,15 @@ a fraction, so an embedded Ray declares more logical CPUs than cores (cores + 2 
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import dataclasses
 import math
 import os
 import secrets
 import shutil
+import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -29,7 +32,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from app.config import ConfigError, SkrullConfig
-from app.preflight import preflight, run_location, run_name, write_snapshot
+from app.preflight import CONFIG_SNAPSHOT, check_resume, preflight, run_name, run_storage, write_snapshot
+from app.run_lock import run_lock
 from workers.storage import Location, pull_mirror, push_mirror
 
 
@@ -62,12 +66,40 @@ class TrainSummary:
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """Ctrl-C on the driver: Ray is shut down; a re-run resumes from the newest complete checkpoint."""
+    """Ctrl-C or SIGTERM on the driver: Ray is shut down; a re-run resumes from the newest complete
+    checkpoint. `signal_number`: the signal that stopped it (SIGINT or SIGTERM)."""
 
-    def __init__(self, name: str, run_dir: Path | Location) -> None:
+    def __init__(self, name: str, run_dir: Path | Location, signal_number: int = signal.SIGINT) -> None:
         super().__init__(name)
         self.name = name
         self.run_dir = run_dir
+        self.signal_number = signal_number
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM on the driver (what `ray job stop` and cluster schedulers send), raised like Ctrl-C's
+    KeyboardInterrupt so that it takes the same way out: Ray shut down, the run lock released."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def sigterm_stops_like_ctrl_c() -> Iterator[None]:
+    """For the duration, SIGTERM raises Terminated on the main thread (elsewhere: nothing changes).
+
+    ray.init replaces the process's SIGTERM handler with one that calls sys.exit(15) (ray/_private/
+    worker.py, `init`): ray_session puts this one back after it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -85,10 +117,13 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[b
         yield not os.environ.get("RAY_ADDRESS")
         return
     previous = os.environ.get("RAY_ADDRESS")
+    sigterm = signal.getsignal(signal.SIGTERM)
     if previous:
         ray.init(address=previous, log_to_driver=worker_logs)
     else:
         start_local_ray(config.resources.num_cpus or (os.cpu_count() or 1) + 2, log_to_driver=worker_logs)
+    if sigterm is _raise_terminated and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, sigterm)  # ray.init replaced it (sigterm_stops_like_ctrl_c)
     try:
         yield not previous
     finally:
@@ -104,25 +139,54 @@ def start_local_ray(num_cpus: float, *, log_to_driver: bool) -> str:
     detached placement-group cleaner (and anything else calling Ray's state API from inside the cluster)
     resolves "the" cluster from RAY_ADDRESS, and without it picks the newest Ray on the machine, which may
     be someone's `ray start` cluster. The caller owns os.environ["RAY_ADDRESS"], set here for the driver.
+
+    Loopback only (README "Where Ray comes from"): Ray 2.60's servers (the GCS, raylet, object manager
+    and core worker gRPC servers, the dashboard and its agent, the runtime-env agent, the metrics
+    exporters) bind loopback when the node IP is a loopback address, and otherwise the node IP or the
+    wildcard (measured: "::" for the gRPC servers), so the node IP must really be 127.0.0.1. ray.init
+    turns `_node_ip_address="127.0.0.1"` into the machine's reachable address (ray/_private/services.py
+    `resolve_ip_for_localhost`) unless Ray's ENABLE_RAY_CLUSTER is off, which Ray reads once, at import,
+    from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: both are switched off while ray.init starts the node (the
+    processes it starts inherit the variable), then put back. The workers' torch.distributed store and
+    gloo sockets: workers/loopback.py, and GLOO_SOCKET_IFNAME (the loopback interface) in the job's
+    environment.
     """
     import ray
+    from ray._private import ray_constants
 
     from workers.tools.launch import free_port
 
     port = free_port()
     address = f"127.0.0.1:{port}"
-    saved = os.environ.get("RAY_GCS_SERVER_PORT")
-    os.environ["RAY_GCS_SERVER_PORT"] = str(port)  # read by ray.init when it starts the head node
+    job_env = {"RAY_ADDRESS": address, "GLOO_SOCKET_IFNAME": loopback_interface()}
+    # RAY_GCS_SERVER_PORT: read by ray.init when it starts the head node.
+    startup_env = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    saved = {key: os.environ.get(key) for key in startup_env}
+    cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ.update(startup_env)
+    ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         ray.init(address="local", num_cpus=num_cpus, log_to_driver=log_to_driver,
-                 _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"RAY_ADDRESS": address}})
+                 _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", runtime_env={"env_vars": job_env})
     finally:
-        if saved is None:
-            os.environ.pop("RAY_GCS_SERVER_PORT")
-        else:
-            os.environ["RAY_GCS_SERVER_PORT"] = saved
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     os.environ["RAY_ADDRESS"] = address
     return address
+
+
+def loopback_interface() -> str:
+    """The name of the network interface that holds 127.0.0.1 ("lo" on Linux)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return "lo"
 
 
 def _use_gpu(config: SkrullConfig) -> bool:
@@ -194,12 +258,16 @@ def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_step
 
 
 def make_trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any,
-                 loop: Callable[[dict[str, Any]], None] | None = None) -> Any:
-    """The TorchTrainer of a run: `loop` (default train_loop_per_worker) gets {"settings": settings}."""
+                 loop: Callable[[dict[str, Any]], None] | None = None, *, embedded: bool = False) -> Any:
+    """The TorchTrainer of a run: `loop` (default train_loop_per_worker) gets {"settings": settings}.
+
+    On an `embedded` Ray the workers' process group listens on loopback only (workers/loopback.py).
+    """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from app.monitor import ProgressCallback
+    from workers.loopback import LoopbackTorchConfig
     from workers.train_loop import train_loop_per_worker
 
     res, par = config.resources, config.parallel
@@ -214,7 +282,8 @@ def make_trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any,
         loop or train_loop_per_worker,
         train_loop_config={"settings": settings},
         # The world group's timeout; the CP groups get the same one in ParallelGroups.create.
-        torch_config=TorchConfig(backend=backend, timeout_s=math.ceil(config.train.collective_timeout_s)),
+        torch_config=(LoopbackTorchConfig if embedded else TorchConfig)(
+            backend=backend, timeout_s=math.ceil(config.train.collective_timeout_s)),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=_use_gpu(config),
                                      resources_per_worker=per_worker,
                                      elastic_resize_monitor_interval_s=par.resize_check_s),
@@ -243,21 +312,36 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
 
     quiet: everything the libraries print goes to <run_dir>/logs/driver.log (app/console.py) and the
     terminal shows only the data summary, the progress bar and warnings; `out` is where those go.
+    Ctrl-C and SIGTERM stop the call alike (RunInterrupted). The run's lock (app/run_lock.py) is held
+    from before its first write to the end: a second call on the same run stops with RunLocked.
     """
-    preflight(config)
     name = run_name(config)
-    run = run_location(config, name)
-    existed = run.exists()
-    write_snapshot(config, run)
-    # A remote run's driver-side files (logs/, tensorboard/, ...) live in a local mirror that is copied
-    # into the run's storage at the end (workers/storage.py: pull_mirror, push_mirror).
-    run_dir = run.local or pull_mirror(run)
-    remote = None if run.is_local else run
     try:
+        with sigterm_stops_like_ctrl_c():
+            return _train_locked(config, name, progress=progress, quiet=quiet, worker_logs=worker_logs,
+                                 out=out)
+    except KeyboardInterrupt as err:  # Ray (embedded: every process of it) is already shut down here
+        stopped_by = signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
+        raise RunInterrupted(name, _run_location(config, name), stopped_by) from err
+
+
+def _train_locked(config: SkrullConfig, name: str, *, progress: bool, quiet: bool, worker_logs: bool,
+                  out: TextIO | None) -> TrainSummary:
+    """preflight, the run's lock, the resume check and snapshot, then the run under its console."""
+    data = preflight(config)
+    run = run_storage(config, name)
+    existed = run.exists()
+    with run_lock(run, out=out, on_lost=_thread.interrupt_main):  # a lost lease stops the call (Ctrl-C)
+        resuming = check_resume(config, run, data)
+        if write_snapshot(config, run, data, fresh=not resuming):
+            print(f"run {name!r} has no complete checkpoint to resume: it starts fresh with this config "
+                  f"({CONFIG_SNAPSHOT} replaced)", file=out or sys.stderr, flush=True)
+        # A remote run's driver-side files (logs/, tensorboard/, ...) live in a local mirror that is copied
+        # into the run's storage at the end (workers/storage.py: pull_mirror, push_mirror).
+        run_dir = run.local or pull_mirror(run)
+        remote = None if run.is_local else run
         with run_console(run_dir, quiet=quiet, out=out, existed=existed, remote=remote) as terminal:
             return _run(config, name, run_dir, progress=progress, worker_logs=worker_logs, out=terminal)
-    except KeyboardInterrupt as err:  # Ray (embedded: every process of it) is already shut down here
-        raise RunInterrupted(name, run) from err
 
 
 @contextlib.contextmanager
@@ -330,7 +414,7 @@ def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out:
     planner = planner_actor(config, data.dataset, total_steps, name, eval_dataset=data.eval_dataset)
     monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
     settings = worker_settings(config, planner, monitor, total_steps, _run_location(config, name).uri)
-    trainer = make_trainer(config, settings, name, monitor)
+    trainer = make_trainer(config, settings, name, monitor, embedded=embedded)
     result, history = fit_with_progress(config, trainer, monitor, total_steps, progress=progress, out=out,
                                         run_dir=run_dir, run_name=name)
     if not history:
@@ -433,6 +517,7 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
     """
     from app.mlflow_log import MlflowLog
     from app.monitor import ProgressBar
+    from app.preflight import snapshot_record
     from app.run_files import RunLog
     from app.tensorboard_log import TensorBoardLog
 
@@ -444,8 +529,8 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
     run_log = RunLog(run_dir, total_steps) if run_dir is not None else None
     tracking = None
     if run_dir is not None and config.train.mlflow_uri:
-        tracking = MlflowLog(config.train.mlflow_uri, run_dir, run_name or run_dir.name, config.to_dict(),
-                             out=out)
+        tracking = MlflowLog(config.train.mlflow_uri, run_dir, run_name or run_dir.name,
+                             snapshot_record(config), out=out)
     sinks = tuple(sink.record if isinstance(sink, RunLog) else sink.write
                   for sink in (run_log, log, tracking) if sink is not None)
     status = "FAILED"

@@ -5,6 +5,10 @@ divisible by CP (its sections validate themselves, app/config.py); here the mode
 hub id through its config only, honoring HF_HUB_OFFLINE), the data source and tokenizer are opened, the
 hardware profile is loaded strictly and the output directory must be writable.
 
+Secrets: a URI with credentials in it (user:password@, access_key / secret_key / session_token) is refused
+(the environment holds them), and every message naming run.storage_path or data.path shows the URI with its
+secrets redacted (workers/storage.py redact_uri / redact_text); the config snapshot holds redacted URIs.
+
 With Ray up, before the trainer (`check_cluster_fits`, `check_epoch_fits`): the requested workers fit the
 cluster's resources, and one global batch fits one epoch of usable rows. Every failure is a ConfigError,
 which `python -m app` turns into exit code 2 and one line naming the knob.
@@ -20,9 +24,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from app.config import ConfigError, ModelConfig, SkrullConfig
+from app.config import CREDENTIAL_HINT, ConfigError, ModelConfig, SkrullConfig
 from workers.presets import TINY_PRESETS, is_tiny_preset
-from workers.storage import Location, is_remote
+from workers.storage import Location, carries_credentials, is_remote, redact_text, redact_uri
 
 # A Hugging Face hub id: "name" or "org/name", no path syntax.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
@@ -60,7 +64,10 @@ def run_name(config: SkrullConfig) -> str:
 
 
 CONFIG_SNAPSHOT = "skrull_config.json"
-"""The config a run started with; a resumed run is compared with it (check_resume)."""
+"""The config a run started with (URIs redacted); a resumed run is compared with it (check_resume)."""
+DATA_SNAPSHOT = "skrull_data.json"
+"""The data the run started with: {"data.path": fingerprint, "data.eval_path": fingerprint or absent}
+(app/data/fingerprint.py), compared like the math keys; a run without one (older) resumes unchecked."""
 MATH_KEYS = (
     "model.name_or_path", "model.random_init", "model.dtype", "model.vocab_size", "model.hidden_size",
     "model.num_layers", "model.num_attention_heads", "model.num_key_value_heads", "model.intermediate_size",
@@ -74,12 +81,17 @@ MATH_KEYS = (
 """Keys that change what a step computes; resuming with another value needs train.allow_config_change."""
 
 
-def run_location(config: SkrullConfig, name: str) -> Location:
-    """<storage_path>/<name> (a local directory or an object-store URI, workers/storage.py): a new run,
-    or an existing one to resume (same math, see check_resume)."""
+def run_storage(config: SkrullConfig, name: str) -> Location:
+    """<storage_path>/<name> (a local directory or an object-store URI, workers/storage.py), after checking
+    that storage_path is usable and writable; nothing of the run is read or written yet."""
     storage = _storage_location(config.run.storage_path)
     _check_writable(storage)
-    run = storage / name
+    return storage / name
+
+
+def run_location(config: SkrullConfig, name: str) -> Location:
+    """run_storage, then check_resume: a new run, or an existing one to resume (same math)."""
+    run = run_storage(config, name)
     check_resume(config, run)
     return run
 
@@ -87,8 +99,8 @@ def run_location(config: SkrullConfig, name: str) -> Location:
 def run_directory(config: SkrullConfig, name: str) -> Path:
     """run_location for commands that need a local run directory (`bench train`)."""
     if is_remote(config.run.storage_path):
-        raise ConfigError(f"run.storage_path={config.run.storage_path!r}: this command writes a local run "
-                          "directory; point run.storage_path at a local or mounted directory")
+        raise ConfigError(f"run.storage_path={redact_uri(config.run.storage_path)!r}: this command writes a "
+                          "local run directory; point run.storage_path at a local or mounted directory")
     local = run_location(config, name).local
     assert local is not None
     return local
@@ -115,8 +127,17 @@ def recorded_step(run_dir: str | Path | Location) -> int:
         return 0
 
 
-def check_resume(config: SkrullConfig, run_dir: str | Path | Location) -> None:
-    """A finished run is not rerun; one ConfigError lists every math key that differs from its config."""
+def check_resume(config: SkrullConfig, run_dir: str | Path | Location,
+                 data: dict[str, Any] | None = None) -> bool:
+    """Whether this call resumes a checkpoint of the run (False: it starts fresh).
+
+    A finished run is not rerun. A run without a complete checkpoint has nothing to resume: it starts
+    fresh with this config, whatever its snapshot says (a start that failed before its first checkpoint
+    must not block its own fix). Resuming a checkpoint, one ConfigError lists every math key that differs
+    from the run's snapshot, and with `data` (this call's data fingerprints, `preflight`'s result) every
+    dataset whose files differ from those the run started with (DATA_SNAPSHOT), unless
+    train.allow_config_change.
+    """
     run_dir = Location.of(run_dir)
     done = recorded_step(run_dir)
     if config.train.steps and done >= config.train.steps:
@@ -124,29 +145,71 @@ def check_resume(config: SkrullConfig, run_dir: str | Path | Location) -> None:
                           f"{config.train.steps}); raise train.steps to train it further, or use another "
                           "run.name")
     snapshot = run_dir / CONFIG_SNAPSHOT
-    if config.train.allow_config_change or not snapshot.exists():
-        return
-    before, now = json.loads(snapshot.read_text()), config.to_dict()
-    defaults = SkrullConfig().to_dict()  # a run snapshotted before a key existed ran with its default
-
-    def old(key: str) -> Any:
-        value = _dotted(before, key)
-        return _dotted(defaults, key) if value is None else value
-
-    changed = [f"{key}: {old(key)!r} -> {_dotted(now, key)!r}" for key in MATH_KEYS
-               if old(key) != _dotted(now, key)]
+    if done == 0 or config.train.allow_config_change or not snapshot.exists():
+        return done > 0
+    changed = _changed_math(json.loads(snapshot.read_text()), snapshot_record(config))
+    if data is not None:
+        changed += _changed_data(run_dir, data)
     if changed:
         raise ConfigError(
             f"run {run_dir.name!r} exists and resuming it would change its math: {'; '.join(changed)}. "
             "Use another run.name, or --set train.allow_config_change=true to resume anyway"
         )
+    return True
 
 
-def write_snapshot(config: SkrullConfig, run_dir: str | Path | Location) -> None:
-    """Record the config of a new run (a resumed run keeps the first one); written atomically."""
-    snapshot = Location.of(run_dir) / CONFIG_SNAPSHOT
-    if not snapshot.exists():
-        snapshot.write_text(json.dumps(config.to_dict(), indent=1))
+def _changed_math(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every math key that differs (URIs compared redacted: snapshots hold them so)."""
+    defaults = SkrullConfig().to_dict()  # a run snapshotted before a key existed ran with its default
+
+    def value(tree: dict[str, Any], key: str) -> Any:
+        found = _dotted(tree, key)
+        found = _dotted(defaults, key) if found is None else found
+        return redact_uri(found) if isinstance(found, str) else found
+
+    return [f"{key}: {value(before, key)!r} -> {value(now, key)!r}" for key in MATH_KEYS
+            if value(before, key) != value(now, key)]
+
+
+def _changed_data(run_dir: Location, data: dict[str, Any]) -> list[str]:
+    """`data.path: the data changed (...)` for every dataset whose fingerprint differs from the run's."""
+    from app.data.fingerprint import describe_change
+
+    recorded = run_dir / DATA_SNAPSHOT
+    if not recorded.exists():
+        return []  # a run from before data fingerprints: resumed as before
+    before = json.loads(recorded.read_text())
+    return [f"{key}: the data changed ({describe_change(before[key], data[key])})" for key in data
+            if key in before and before[key] != data[key]]
+
+
+def snapshot_record(config: SkrullConfig) -> dict[str, Any]:
+    """The config as the snapshot holds it: every URI without its secrets (redact_uri)."""
+    def redacted(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {key: redacted(value) for key, value in node.items()}
+        return redact_uri(node) if isinstance(node, str) else node
+
+    return redacted(config.to_dict())
+
+
+def write_snapshot(config: SkrullConfig, run_dir: str | Path | Location, data: dict[str, Any] | None = None,
+                   *, fresh: bool = True) -> bool:
+    """Record the config (and `data`, the data fingerprints) of a run that starts fresh; a resumed run
+    (`fresh=False`) keeps the first ones. Each file is written atomically.
+
+    Returns True when a different snapshot of an earlier call was replaced (a run that never reached a
+    checkpoint, started again).
+    """
+    run_dir = Location.of(run_dir)
+    snapshot, record = run_dir / CONFIG_SNAPSHOT, snapshot_record(config)
+    replaced = False
+    if not snapshot.exists() or fresh:
+        replaced = snapshot.exists() and json.loads(snapshot.read_text()) != record
+        snapshot.write_text(json.dumps(record, indent=1))
+    if data is not None and (fresh or not (run_dir / DATA_SNAPSHOT).exists()):
+        (run_dir / DATA_SNAPSHOT).write_text(json.dumps(data, indent=1))
+    return replaced
 
 
 _REMOTE_HINT = ("check that the bucket exists, the endpoint (endpoint_override=HOST:PORT&scheme=http in the "
@@ -160,8 +223,9 @@ def _storage_location(storage_path: str) -> Location:
         storage = Location.of(storage_path)
         storage.filesystem  # noqa: B018 - parses the URI (scheme, query options) now
     except (ValueError, OSError, ImportError) as err:
-        raise ConfigError(f"run.storage_path={storage_path!r} is not a directory or a filesystem URI "
-                          f"pyarrow understands ({err}); fix run.storage_path") from None
+        raise ConfigError(f"run.storage_path={redact_uri(storage_path)!r} is not a directory or a filesystem "
+                          f"URI pyarrow understands ({redact_text(str(err), storage_path)}); fix "
+                          "run.storage_path") from None
     return storage
 
 
@@ -190,28 +254,54 @@ def _check_writable(storage: Location) -> None:
         probe.write_text("")
         probe.delete()
     except OSError as err:
-        raise ConfigError(f"run.storage_path={str(storage)!r} is not writable ({str(err).splitlines()[0]}); "
-                          f"{_REMOTE_HINT}, or fix run.storage_path") from None
+        why = redact_text(str(err).splitlines()[0], storage.uri)
+        raise ConfigError(f"run.storage_path={str(storage)!r} is not writable ({why}); {_REMOTE_HINT}, or "
+                          "fix run.storage_path") from None
 
 
-def preflight(config: SkrullConfig) -> None:
-    """Model, data source, tokenizer, hardware profile: everything that can be checked without Ray."""
+def preflight(config: SkrullConfig) -> dict[str, Any]:
+    """Model, data source, tokenizer, hardware profile: everything that can be checked without Ray.
+
+    Returns the data fingerprints of the run ({"data.path": ..., "data.eval_path": ...}, the second only
+    with data.eval_path; app/data/fingerprint.py), read from the files the checks resolved.
+    """
+    from app.data.fingerprint import data_fingerprint
     from app.data.readers import resolve_source
     from app.data.tokenizer import load_tokenizer
     from app.hardware import load_hardware_profile
     from app.mlflow_log import check_mlflow
 
+    check_no_credentials_in_uris(config)
     check_mlflow(config.train.mlflow_uri)
     check_model_source(config.model)
-    if config.data.source == "path":
-        resolve_source(config.data)
-    check_eval_source(config)
+    source = resolve_source(config.data) if config.data.source == "path" else None
+    eval_source = check_eval_source(config)
     load_tokenizer(config.data.tokenizer)
     load_hardware_profile(config.hardware.profile)
+    fingerprints = {"data.path": data_fingerprint(config.data, source)}
+    if eval_source is not None:
+        fingerprints["data.eval_path"] = data_fingerprint(config.data, eval_source, config.data.eval_path)
+    return fingerprints
 
 
-def check_eval_source(config: SkrullConfig) -> None:
-    """train.eval_every needs an eval set; data.eval_path must be a readable dataset (errors name it)."""
+def check_no_credentials_in_uris(config: SkrullConfig) -> None:
+    """A URI with credentials in it is refused (every message and file naming it would carry them): they
+    go in the environment. run.storage_path is checked when the config loads (RunConfig)."""
+    for key, uri in (("data.path", config.data.path), ("data.eval_path", config.data.eval_path)):
+        if carries_credentials(uri):
+            raise ConfigError(f"{key}={redact_uri(uri)!r} carries credentials (user:password@ or "
+                              f"{CREDENTIAL_HINT}")
+    if carries_credentials(config.train.mlflow_uri):
+        raise ConfigError(f"train.mlflow_uri={redact_uri(config.train.mlflow_uri)!r} carries credentials "
+                          "(user:password@): remove them and set MLFLOW_TRACKING_USERNAME / "
+                          "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment")
+
+
+def check_eval_source(config: SkrullConfig) -> Any:
+    """train.eval_every needs an eval set; data.eval_path must be a readable dataset (errors name it).
+
+    Returns data.eval_path's resolved DataSource, or None without data.eval_path.
+    """
     from app.data import DataError
     from app.data.readers import resolve_source
     from app.data.split import as_eval_path_error, eval_data_config
@@ -220,11 +310,12 @@ def check_eval_source(config: SkrullConfig) -> None:
     if config.train.eval_every and not (data.eval_fraction or data.eval_path):
         raise ConfigError(f"train.eval_every={config.train.eval_every} needs an eval set: set "
                           "data.eval_fraction (hold samples out) or data.eval_path, or train.eval_every=0")
-    if data.eval_path:
-        try:
-            resolve_source(eval_data_config(data))
-        except DataError as err:
-            raise as_eval_path_error(err, data) from None
+    if not data.eval_path:
+        return None
+    try:
+        return resolve_source(eval_data_config(data))
+    except DataError as err:
+        raise as_eval_path_error(err, data) from None
 
 
 def required_resources(config: SkrullConfig) -> dict[str, float]:

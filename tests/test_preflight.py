@@ -111,6 +111,9 @@ def test_resume_compares_math_keys_and_a_key_newer_than_the_run_is_its_default(t
     old = config.to_dict()
     del old["data"]["eval_fraction"], old["model"]["lora"]  # a run snapshotted before these keys existed
     (tmp_path / CONFIG_SNAPSHOT).write_text(json.dumps(old))
+    # A complete checkpoint to resume (without one, a rerun starts fresh: tests/test_run_safety.py).
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text(
+        json.dumps({"checkpoint_results": [{"metrics": {"step": 2}}]}))
     check_resume(config, tmp_path)  # same math: resumes
     for override, key in (("model.lora.r=8", "model.lora.r: 0 -> 8"), ("train.lr=0.5", "train.lr")):
         changed = load_config("configs/tiny-cpu.yaml", ["train.steps=4", override])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -299,3 +300,61 @@ def test_rerunning_the_name_resumes_from_the_buckets_checkpoint(s3: S3Server, ru
     assert s3.text("runs/s3run/logs/driver.log").startswith(runs["first_log"])
     assert sum(k.startswith("runs/s3run/tensorboard/events.out.tfevents") for k in keys) == 2
     assert any(k.startswith("runs/s3run/checkpoint_20") and "/step4/" in k for k in keys)  # the new one
+
+
+# -- one writer per run: the lease on the store (app/run_lock.py; the local lock: tests/test_run_safety.py) --
+def _lease_run(s3: S3Server) -> Location:
+    return Location.of(s3.uri(f"lease-{time.monotonic_ns()}"))
+
+
+def test_a_second_holder_of_an_s3_run_is_refused_and_the_heartbeat_renews(s3: S3Server) -> None:
+    from app.run_lock import LEASE_FILE, Lease, RunLocked
+
+    run = _lease_run(s3)
+    first = Lease(run, out=sys.stderr, heartbeat_s=0.2, settle_s=0.05)
+    first.acquire()
+    granted = json.loads((run / LEASE_FILE).read_text())
+    with pytest.raises(RunLocked, match=rf"host {socket.gethostname()}, pid {os.getpid()}, started .*renewed "
+                                        r"\d+ s ago"):
+        Lease(run, out=sys.stderr, settle_s=0.05).acquire()
+    deadline = time.monotonic() + 10
+    while json.loads((run / LEASE_FILE).read_text())["renewed"] == granted["renewed"]:
+        assert time.monotonic() < deadline, "the heartbeat never renewed the lease"
+        time.sleep(0.1)
+    first.release()
+    assert not (run / LEASE_FILE).exists()
+
+
+@pytest.mark.parametrize("holder", ["expired", "dead_here"])
+def test_a_stale_s3_lease_is_taken_over_with_a_warning(s3: S3Server, capsys, holder: str) -> None:
+    """Not renewed for longer than the bound (another host), or renewed just now by a process of this
+    host that no longer exists."""
+    from app.run_lock import LEASE_FILE, LEASE_TIMEOUT_S, Lease
+
+    run = _lease_run(s3)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    if holder == "expired":
+        stale = {"host": "elsewhere", "pid": 1, "renewed": time.time() - LEASE_TIMEOUT_S - 5}
+    else:
+        stale = {"host": socket.gethostname(), "pid": gone.pid, "renewed": time.time()}
+    (run / LEASE_FILE).write_text(json.dumps({**stale, "started": "2026-01-01T00:00:00", "token": "old"}))
+    lease = Lease(run, out=sys.stderr, settle_s=0.05)
+    lease.acquire()
+    assert json.loads((run / LEASE_FILE).read_text())["pid"] == os.getpid()
+    lease.release()
+    err = capsys.readouterr().err
+    assert "taking over the lease" in err and f"pid {stale['pid']}" in err
+
+
+def test_a_holder_whose_lease_was_taken_over_stops_and_leaves_it_alone(s3: S3Server) -> None:
+    from app.run_lock import LEASE_FILE, Lease
+
+    run, lost = _lease_run(s3), []
+    lease = Lease(run, out=sys.stderr, on_lost=lambda: lost.append(True), settle_s=0.05)
+    lease.acquire()
+    taker = {"host": "elsewhere", "pid": 7, "started": "now", "token": "taker", "renewed": time.time()}
+    (run / LEASE_FILE).write_text(json.dumps(taker))
+    assert lease.renew() is False and lost == [True]
+    lease.release()
+    assert json.loads((run / LEASE_FILE).read_text())["token"] == "taker"

@@ -20,7 +20,10 @@ the object and writes it back whole: two requests per call and O(size) bytes (sa
 line per DP rank and step; at 10k steps of 512 samples that is ~30 MB rewritten per step, so a very long
 run on an object store should checkpoint rarely enough that this stays small next to a step).
 
-Display: str(location) is the URI without secrets (access_key / secret_key / session_token query values).
+Secrets: str(location) is the URI without secrets (redact_uri: the userinfo `user:password@` and the
+access_key / secret_key / session_token query values become ***); redact_text scrubs them out of any text
+(pyarrow's error messages repeat the URI they failed on). A run's config refuses a URI with credentials
+(`carries_credentials`): they belong in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -35,9 +39,60 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 _SECRET_KEYS = frozenset({"access_key", "secret_key", "session_token"})
+_HIDDEN = "***"
+# In free text: a secret query value (up to the next &, quote, space or bracket), and a URI's userinfo.
+_SECRET_QUERY_TEXT = re.compile(r"\b(access_key|secret_key|session_token)=[^&\s'\"()\[\]<>]+")
+_USERINFO_TEXT = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@'\"]*@")
+
+
+def carries_credentials(uri: str) -> bool:
+    """True for a URI with credentials in it: `user[:password]@` before its host, or an access_key /
+    secret_key / session_token query value (pyarrow 26's S3 URIs refuse the latter anyway)."""
+    if "://" not in uri:
+        return False
+    parts = urlsplit(uri)
+    return "@" in parts.netloc or any(key in _SECRET_KEYS for key, _ in parse_qsl(parts.query))
+
+
+def redact_uri(uri: str) -> str:
+    """`uri` without secrets: its userinfo and secret query values become ***; anything else unchanged."""
+    if "://" not in uri:
+        return uri
+    parts = urlsplit(uri)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = f"{_HIDDEN}@{netloc.rsplit('@', 1)[1]}"
+    query = parts.query
+    if any(key in _SECRET_KEYS for key, _ in parse_qsl(query)):
+        query = urlencode([(k, _HIDDEN if k in _SECRET_KEYS else v) for k, v in parse_qsl(query)], safe=":*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def uri_secrets(uri: str) -> list[str]:
+    """The secret strings a URI carries (userinfo parts, secret query values), as written and decoded."""
+    if "://" not in uri:
+        return []
+    parts = urlsplit(uri)
+    found = [v for k, v in parse_qsl(parts.query) if k in _SECRET_KEYS]
+    found += [raw for k, raw in (p.split("=", 1) for p in parts.query.split("&") if "=" in p)
+              if k in _SECRET_KEYS]
+    if "@" in parts.netloc:
+        found += [piece for piece in parts.netloc.rsplit("@", 1)[0].split(":") if piece]
+    found += [unquote(value) for value in found]
+    return sorted({value for value in found if len(value) >= 3}, key=len, reverse=True)
+
+
+def redact_text(text: str, *uris: str) -> str:
+    """`text` without secrets: those of `uris` wherever they appear (pyarrow repeats URIs, whole or in
+    parts, in its errors), and any secret query value or userinfo of a URI written in it."""
+    for uri in uris:
+        for secret in uri_secrets(uri):
+            text = text.replace(secret, _HIDDEN)
+    text = _SECRET_QUERY_TEXT.sub(lambda m: f"{m.group(1)}={_HIDDEN}", text)
+    return _USERINFO_TEXT.sub(lambda m: f"{m.group(1)}{_HIDDEN}@", text)
 
 
 def is_remote(where: str | os.PathLike[str]) -> bool:
@@ -113,11 +168,7 @@ class Location:
         return Location(urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}")))
 
     def __str__(self) -> str:
-        if self.is_local:
-            return self.uri
-        parts = urlsplit(self.uri)
-        query = [(k, "***" if k in _SECRET_KEYS else v) for k, v in parse_qsl(parts.query)]
-        return urlunsplit(parts._replace(query=urlencode(query, safe=":*")))
+        return self.uri if self.is_local else redact_uri(self.uri)
 
     # -- queries ---------------------------------------------------------------------------------------
     def _type(self) -> Any:
@@ -222,9 +273,10 @@ class Location:
 
 
 # -- the driver's local mirror of a remote run -------------------------------------------------------------
-MIRROR_SKIP = ("checkpoint", "samples.jsonl", "skrull_config.json", ".")
-"""Run files the mirror never holds: Ray Train's checkpoints and bookkeeping, the workers' samples.jsonl and
-the config snapshot are written to the store directly, and a copy back must never overwrite them."""
+MIRROR_SKIP = ("checkpoint", "samples.jsonl", "skrull_", ".")
+"""Run files the mirror never holds: Ray Train's checkpoints and bookkeeping, the workers' samples.jsonl,
+the config and data snapshots (skrull_*.json) and the run lease (.skrull-lease.json) are written to the
+store directly, and a copy back must never overwrite them."""
 
 
 def mirror_directory(run: Location) -> Path:

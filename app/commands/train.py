@@ -1,10 +1,15 @@
-"""`python -m app train --config X [--set k=v] [--json] [--verbose]`: train on Ray."""
+"""`python -m app train --config X [--set k=v] [--json] [--verbose]`: train on Ray.
+
+Exit codes: 0 trained; 2 bad input (ConfigError: the knob named) or the run is held by another call; 130
+after Ctrl-C and 143 after SIGTERM (both print the command that resumes the run); 1 any other failure.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import shlex
+import signal
 import sys
 
 from app.commands.common import add_config_arguments, add_json_argument, config_from_args
@@ -31,15 +36,18 @@ def resume_command(args: argparse.Namespace, name: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from app.driver import RunInterrupted, train
+    from workers.storage import redact_text
 
     config = config_from_args(args)
     # With --json, stdout carries only the summary line; worker errors still surface as exceptions.
     try:
         summary = train(config, progress=not args.no_progress and not args.json, quiet=not args.verbose)
-    except RunInterrupted as stop:
-        print(f"\ninterrupted: Ray is shut down; {stop.run_dir} keeps its newest complete checkpoint. "
-              f"Resume with:\n  {resume_command(args, stop.name)}", file=sys.stderr, flush=True)
-        return 130
+    except RunInterrupted as stop:  # Ctrl-C or SIGTERM: exit 128 + the signal, as a shell reports it
+        by = signal.Signals(stop.signal_number).name
+        command = redact_text(resume_command(args, stop.name))  # no URI secret on the terminal
+        print(f"\ninterrupted ({by}): Ray is shut down; {stop.run_dir} keeps its newest complete checkpoint. "
+              f"Resume with:\n  {command}", file=sys.stderr, flush=True)
+        return 128 + stop.signal_number
     if args.json:
         print(json.dumps(summary.to_json_dict()))
     else:

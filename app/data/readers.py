@@ -29,7 +29,7 @@ from typing import Any
 
 from app.config import DataConfig
 from app.data import DataError
-from workers.storage import Location, is_remote
+from workers.storage import Location, is_remote, redact_text
 
 ROW_COLUMNS = ("messages", "text")
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -48,7 +48,17 @@ class DataSource:
 
 
 def resolve_source(data: DataConfig) -> DataSource:
-    """Check data.path, detect data.format, list files in order; DataError naming the knob on failure."""
+    """Check data.path, detect data.format, list files in order; DataError naming the knob on failure.
+
+    The messages carry no secret of a URI's query (pyarrow's own error text repeats the URI it failed on).
+    """
+    try:
+        return _resolve_source(data)
+    except DataError as err:
+        raise DataError(redact_text(str(err), data.path)) from None
+
+
+def _resolve_source(data: DataConfig) -> DataSource:
     if not data.path:
         raise DataError("data.source=path needs data.path (a parquet, jsonl or HF dataset directory)")
     if is_remote(data.path):

@@ -24,6 +24,7 @@ import numpy as np
 from app.config import ConfigError, DataConfig
 from app.data import DataError
 from scheduling.holdout import held_out
+from workers.storage import redact_text, redact_uri
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +43,9 @@ def eval_data_config(data: DataConfig) -> DataConfig:
 def as_eval_path_error(err: DataError, data: DataConfig) -> DataError:
     """A reader's error about the eval dataset, naming data.eval_path (the readers only know data.path)."""
     message = str(err).replace("data.path", "data.eval_path")
-    return DataError(f"{message} (data.eval_path={data.eval_path!r})" if "data.eval_path" not in message
-                     else message)
+    if "data.eval_path" not in message:
+        message = f"{message} (data.eval_path={redact_uri(data.eval_path)!r})"
+    return DataError(redact_text(message, data.eval_path))
 
 
 def split_counts(positions: np.ndarray, data: DataConfig, *, eval_path_rows: int = 0) -> SplitCounts:
