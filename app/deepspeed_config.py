@@ -11,11 +11,16 @@ Why these settings:
   FusedAdam (GPU) and CPUAdam are C++/CUDA ops it JIT-compiles on first use, which needs nvcc and a CUDA
   toolkit matching torch that pip's torch wheels do not ship, so every worker of a GPU run would die in
   `deepspeed.initialize` on a machine without one. DeepSpeed 0.19's `get_optimizer_configuration`
-  (runtime/engine.py) returns `torch.optim.AdamW` for `torch_adam` with an AdamW type, and passes every
-  other param through, so `fused` reaches torch: on GPU `fused: true`, torch's single-kernel AdamW
-  (shipped in the torch wheel; ZeRO-2 hands the optimizer one flat fp32 partition per group, for which
-  foreach would still launch a dozen elementwise kernels). On CPU torch's default, as before (a for-loop:
-  foreach and fused are off by default for CPU tensors).
+  (runtime/engine.py) returns `torch.optim.AdamW` for `torch_adam` with an AdamW type, passing `foreach`
+  and every other param through. On GPU `foreach: true` (torch's multi-tensor CUDA kernels, shipped in the
+  wheel), not `fused: true`: fused AdamW keeps its `step` counters on the GPU, which torch's own
+  `load_state_dict` arranges but DeepSpeed's universal-checkpoint loader (resuming on another world size,
+  `load_hp_checkpoint_state_from_checkpoint_dir` in runtime/base_optimizer.py) does not: it sets `step` to
+  the CPU tensor `ds_to_universal` saved. foreach hosts `step` on the CPU by design (torch/optim/adam.py,
+  "special device hosting for step"). What fused would save is small: ZeRO-2 hands the optimizer one flat
+  fp32 partition per group, so foreach is a handful of memory-bound passes over it (milliseconds for 7B's
+  partition on 8 GPUs) against steps of seconds. On CPU torch's default, as before (a for-loop: foreach
+  and fused are off by default for CPU tensors).
 - bf16 accumulates gradients in fp32 (`data_types.grad_accum_dtype`): a step has a variable, often large,
   number of micro-batches, and bf16's 8-bit mantissa loses the small late ones. DeepSpeed 0.19's ZeRO-2
   then keeps the rank's gradient partition in an fp32 buffer (`_use_compact_grad_partition_buffer`,
@@ -60,7 +65,7 @@ def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool) -> DeepSpe
         "wall_clock_breakdown": False,
     }
     if on_gpu:
-        ds["optimizer"]["params"]["fused"] = True
+        ds["optimizer"]["params"]["foreach"] = True
     if dtype == "bf16" and train.zero_stage >= 1:
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
     if train.warmup_steps:

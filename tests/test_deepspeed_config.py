@@ -25,11 +25,11 @@ MICRO_BATCHES = 64
 to the one-micro-batch gradient exactly, while bf16 partial sums (8 mantissa bits) round."""
 
 
-def test_the_gpu_json_asks_for_torch_fused_adamw_and_fp32_accumulation() -> None:
+def test_the_gpu_json_asks_for_torch_foreach_adamw_and_fp32_accumulation() -> None:
     train = load_config(None, []).train
     gpu = deepspeed_config(train, dtype="bf16", on_gpu=True)
     assert gpu["optimizer"]["type"] == "AdamW"
-    assert gpu["optimizer"]["params"]["torch_adam"] is True and gpu["optimizer"]["params"]["fused"] is True
+    assert gpu["optimizer"]["params"]["torch_adam"] is True and gpu["optimizer"]["params"]["foreach"] is True
     assert gpu["data_types"] == {"grad_accum_dtype": "fp32"}
     # Nothing else that loads a DeepSpeed op: no offload (CPUAdam), no fp16, no compression or quantization.
     assert set(gpu) <= {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
@@ -37,7 +37,7 @@ def test_the_gpu_json_asks_for_torch_fused_adamw_and_fp32_accumulation() -> None
                         "wall_clock_breakdown", "scheduler"}
     assert not any(key.startswith("offload") for key in gpu["zero_optimization"])
     cpu = deepspeed_config(train, dtype="fp32", on_gpu=False)
-    assert cpu["optimizer"]["params"]["torch_adam"] is True and "fused" not in cpu["optimizer"]["params"]
+    assert cpu["optimizer"]["params"]["torch_adam"] is True and "foreach" not in cpu["optimizer"]["params"]
     assert "data_types" not in cpu  # fp32 accumulates in fp32 anyway
     # ZeRO stage 0 has no fp32 accumulation for bf16 in DeepSpeed (it raises on the mix): not asked for.
     stage0 = load_config(None, ["train.zero_stage=0"]).train
@@ -91,9 +91,11 @@ def _gpu_json_engines(rank: int, world: int) -> dict:
     engine, one = accumulate(gpu, 1)
     basic = engine.basic_optimizer
     result = {"optimizer": f"{type(basic).__module__}.{type(basic).__qualname__}",
-              "fused": basic.defaults["fused"], "wrapper": type(engine.optimizer).__name__}
-    engine.step()  # torch's fused AdamW over ZeRO-2's flat fp32 partition
-    result["stepped"] = all(int(state["step"]) == 1 for state in basic.state.values()) and bool(basic.state)
+              "foreach": basic.defaults["foreach"], "fused": basic.defaults["fused"],
+              "wrapper": type(engine.optimizer).__name__}
+    engine.step()  # torch's foreach AdamW over ZeRO-2's flat fp32 partition
+    steps = [state["step"] for state in basic.state.values()]
+    result["stepped"] = bool(steps) and all(int(step) == 1 and step.is_cpu for step in steps)
     engine, fp32_sum = accumulate(gpu, MICRO_BATCHES)
     flat = getattr(engine.optimizer.averaged_gradients.get(0), "flat_partition", None)  # the fp32 buffer
     result["partition_dtype"] = "none" if flat is None else str(flat.dtype)
@@ -104,7 +106,8 @@ def _gpu_json_engines(rank: int, world: int) -> dict:
 def test_the_gpu_json_builds_torch_adamw_in_zero2_without_a_jit_op_and_accumulates_in_fp32() -> None:
     (result,) = run_workers(_gpu_json_engines, 1, backend="gloo")
     assert result["refused"] == []  # before: FusedAdamBuilder (DeepSpeed's FusedAdam, JIT-built)
-    assert result["optimizer"] == "torch.optim.adamw.AdamW" and result["fused"] is True
+    assert result["optimizer"] == "torch.optim.adamw.AdamW"
+    assert result["foreach"] is True and not result["fused"]  # step counters on the host (universal ckpt)
     assert result["wrapper"] == "DeepSpeedZeroOptimizer" and result["stepped"]
     # fp32 accumulation: ZeRO-2 keeps the rank's gradient partition in fp32, and 64 micro-batches of
     # loss / 64 sum to the one-micro-batch gradient (each is that gradient / 64, exactly, in bf16).

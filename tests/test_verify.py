@@ -61,16 +61,21 @@ def test_the_backend_follows_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _rank_on_a_gpu_host(rank: int, world: int, *args) -> dict:
-    """parity's rank function in a process where CUDA looks available (its group is gloo)."""
+    """parity's rank function in a process where CUDA looks available (its group is gloo); also what
+    run_workers hid from this gloo rank."""
+    import os
+
+    hidden = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
     from workers.tools.parity import _rank
 
-    return _rank(rank, world, *args)
+    return _rank(rank, world, *args) | {"hidden": hidden}
 
 
 def test_parity_ranks_over_gloo_stay_on_cpu_on_a_gpu_host(tmp_path: Path) -> None:
-    """backend="gloo" (the tests' CP=2 parity runs) keeps the model on CPU whatever the host has."""
+    """backend="gloo" (the tests' CP=2 parity runs) keeps the model on CPU whatever the host has: the rank
+    picks its device by its group's backend, and run_workers hides the GPUs from gloo ranks."""
     from workers.tools.launch import run_workers
     from workers.tools.parity import ParitySpec, _build, make_plan, make_tokens
 
@@ -85,3 +90,5 @@ def test_parity_ranks_over_gloo_stay_on_cpu_on_a_gpu_host(tmp_path: Path) -> Non
     (rank,) = run_workers(_rank_on_a_gpu_host, 1, args=(spec, str(weights), plan, ids, labels, total),
                           backend="gloo")
     assert rank["tokens"] == 22 and rank["grads"] and torch.isfinite(torch.tensor(rank["loss"]))
+    # A gloo rank sees no GPU: DeepSpeed in one (test_lora, test_deepspeed_config) picks its CPU accelerator.
+    assert rank["hidden"] == {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}

@@ -29,7 +29,7 @@ class _AdamWRequired(TypedDict):
 
 
 class AdamWParams(_AdamWRequired, total=False):
-    fused: bool
+    foreach: bool
 
 
 class OptimizerSection(TypedDict):
