@@ -372,6 +372,12 @@ class SkrullConfig:
         _require(backend == "auto" or (backend == "torch") != on_gpu,
                  f"model.attention_backend={backend} runs on {'CPU' if backend == 'torch' else 'CUDA'} only, "
                  f"but resources.gpus_per_worker={self.resources.gpus_per_worker:g}: use auto or change one")
+        # On CUDA every backend is a flash kernel (flash-attn or torch's), and both take only bf16/fp16:
+        # caught here, not at the first attention call after the model and engine are built.
+        _require(not on_gpu or self.model.dtype == "bf16",
+                 f"model.dtype={self.model.dtype} with resources.gpus_per_worker="
+                 f"{self.resources.gpus_per_worker:g}: the CUDA attention kernels take bf16 only; set "
+                 "model.dtype=bf16 (or resources.gpus_per_worker=0 to train on CPU)")
 
     @property
     def max_sequence_length(self) -> int:

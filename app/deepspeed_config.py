@@ -7,6 +7,26 @@ Why these settings:
 - ZeRO-2 `overlap_comm` only on GPU: on CPU/gloo it buys nothing and costs a copy.
 - The loss is already normalized by the global batch's label tokens and multiplied by the world size in the
   train loop, which cancels DeepSpeed's mean over all DP x CP ranks (CP ranks hold replicas).
+- The optimizer is torch's own AdamW everywhere (`torch_adam: true`), with ZeRO-2 around it: DeepSpeed's
+  FusedAdam (GPU) and CPUAdam are C++/CUDA ops it JIT-compiles on first use, which needs nvcc and a CUDA
+  toolkit matching torch that pip's torch wheels do not ship, so every worker of a GPU run would die in
+  `deepspeed.initialize` on a machine without one. DeepSpeed 0.19's `get_optimizer_configuration`
+  (runtime/engine.py) returns `torch.optim.AdamW` for `torch_adam` with an AdamW type, passing `foreach`
+  and every other param through. On GPU `foreach: true` (torch's multi-tensor CUDA kernels, shipped in the
+  wheel), not `fused: true`: fused AdamW keeps its `step` counters on the GPU, which torch's own
+  `load_state_dict` arranges but DeepSpeed's universal-checkpoint loader (resuming on another world size,
+  `load_hp_checkpoint_state_from_checkpoint_dir` in runtime/base_optimizer.py) does not: it sets `step` to
+  the CPU tensor `ds_to_universal` saved. foreach hosts `step` on the CPU by design (torch/optim/adam.py,
+  "special device hosting for step"). What fused would save is small: ZeRO-2 hands the optimizer one flat
+  fp32 partition per group, so foreach is a handful of memory-bound passes over it (milliseconds for 7B's
+  partition on 8 GPUs) against steps of seconds. On CPU torch's default, as before (a for-loop: foreach
+  and fused are off by default for CPU tensors).
+- bf16 accumulates gradients in fp32 (`data_types.grad_accum_dtype`): a step has a variable, often large,
+  number of micro-batches, and bf16's 8-bit mantissa loses the small late ones. DeepSpeed 0.19's ZeRO-2
+  then keeps the rank's gradient partition in an fp32 buffer (`_use_compact_grad_partition_buffer`,
+  runtime/zero/stage_1_and_2.py) instead of the bf16 `grads_in_partition` (ZeRO-1 switches to its
+  BF16_Optimizer, which accumulates in fp32 too). Not with ZeRO stage 0: DeepSpeed has no fp32
+  accumulation for bf16 without ZeRO (`_do_optimizer_sanity_check` raises NotImplementedError on the mix).
 """
 
 from __future__ import annotations
@@ -28,8 +48,8 @@ def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool) -> DeepSpe
                 "weight_decay": train.weight_decay,
                 "betas": [0.9, 0.95],
                 "eps": 1e-8,
-                # DeepSpeed's fused CPU Adam is a C++ op compiled on first use (minutes); torch's is exact.
-                "torch_adam": not on_gpu,
+                # torch's AdamW, never DeepSpeed's JIT-compiled FusedAdam / CPUAdam (module docstring).
+                "torch_adam": True,
             },
         },
         "zero_optimization": {
@@ -44,6 +64,10 @@ def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool) -> DeepSpe
         "bf16": {"enabled": dtype == "bf16"},
         "wall_clock_breakdown": False,
     }
+    if on_gpu:
+        ds["optimizer"]["params"]["foreach"] = True
+    if dtype == "bf16" and train.zero_stage >= 1:
+        ds["data_types"] = {"grad_accum_dtype": "fp32"}
     if train.warmup_steps:
         ds["scheduler"] = {
             "type": "WarmupLR",

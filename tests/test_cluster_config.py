@@ -1,14 +1,19 @@
-"""ray_cluster.yaml passes Ray's own cluster-launcher validation; the GPU run configs load strictly."""
+"""ray_cluster.yaml passes Ray's own cluster-launcher validation; the GPU run configs (and every YAML in
+configs/) load strictly; a GPU run in fp32 is refused before Ray starts."""
 
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from app.config import REPO_ROOT, load_config
+from app.config import CONFIG_DIR, REPO_ROOT, load_config
+from app.hardware import load_hardware_profile
 
 
 def validate(config: dict[str, Any]) -> dict[str, Any]:
@@ -69,3 +74,45 @@ def test_gpu_configs_load(path: str, model: str, bucket: int) -> None:
     assert cfg.resources.gpus_per_worker == 1
     assert cfg.data.source == "path" and cfg.data.path
     assert min(cfg.model.hidden_size, cfg.model.kv_hidden_size, cfg.model.num_layers) > 0
+
+
+@pytest.mark.parametrize(("path", "model", "bucket"), [
+    ("configs/qwen2.5-0.5b-gpu-1node.yaml", "Qwen/Qwen2.5-0.5B", 26000),
+    ("configs/qwen2.5-7b-gpu-1node.yaml", "Qwen/Qwen2.5-7B", 13000),
+])
+def test_single_node_gpu_configs_load(path: str, model: str, bucket: int) -> None:
+    """One node of 8 GPUs: DP 1 x CP 8, bf16, PyTorch's flash kernel (no flash-attn build), and paths that
+    do not resolve inside `ray job submit --working-dir`'s temporary copy of the checkout."""
+    cfg = load_config(REPO_ROOT / path)
+    assert cfg.model.name_or_path == model and cfg.model.dtype == "bf16"
+    assert cfg.model.attention_backend == "torch-flash"
+    assert cfg.parallel.worker_range == (8, 8) and cfg.parallel.cp_size == 8 and cfg.parallel.dp_size == 1
+    assert cfg.scheduling.bucket_size == bucket and cfg.resources.gpus_per_worker == 1
+    for where in (cfg.run.storage_path, cfg.data.path):
+        assert Path(where).is_absolute() or "://" in where, where
+
+
+def test_every_yaml_in_configs_loads() -> None:
+    """Run configs through load_config, hardware profiles through their own strict loader."""
+    paths = sorted(CONFIG_DIR.rglob("*.yaml"))
+    assert len(paths) >= 10
+    for path in paths:
+        if path.parent.name == "hardware":
+            assert load_hardware_profile(str(path)).name == path.stem
+        else:
+            load_config(path)
+
+
+def test_a_gpu_run_in_fp32_is_exit_2_naming_model_dtype_before_ray() -> None:
+    """Both CUDA kernels refuse fp32; without this rule the run failed at the first attention call, after
+    Ray, the data pipeline, the model and the engine were up. The real CLI, in a process of its own."""
+    result = subprocess.run(
+        [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml",
+         "--set", "resources.gpus_per_worker=1"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "model.dtype=fp32 with resources.gpus_per_worker=1" in result.stderr
+    assert "model.dtype=bf16" in result.stderr  # the fix, named
+    assert "Started a local Ray instance" not in result.stdout + result.stderr
+    ok = load_config("configs/tiny-cpu.yaml", ["model.dtype=bf16", "resources.gpus_per_worker=1"])
+    assert ok.model.dtype == "bf16" and ok.resources.gpus_per_worker == 1

@@ -31,6 +31,8 @@ def test_sections_are_frozen_and_keyword_only() -> None:
     ("resources.cpus_per_worker=-1", "resources.cpus_per_worker must be >= 0"),
     ("parallel.backend=nccl", "parallel.backend=nccl needs GPUs"),
     ("model.attention_backend=flash", "model.attention_backend=flash runs on CUDA only"),
+    ("resources.gpus_per_worker=1", "model.dtype=fp32 with resources.gpus_per_worker=1: the CUDA attention "
+                                    "kernels take bf16 only"),
     ("scheduling.global_batch_size=1", "smaller than the DP size"),
     ("parallel.num_workers=[2, 3]", "parallel.num_workers=3 is not divisible by parallel.cp_size=2"),
     ("parallel.num_workers=[4, 2]", "parallel.num_workers=[4, 2]: min must be <= max"),

@@ -1,22 +1,26 @@
-"""`python -m app verify`: the user-facing parity check (tiny Qwen2, CP=2 over gloo)."""
+"""`python -m app verify`: the user-facing parity check (tiny Qwen2, CP=2 over gloo), and its choice of
+process-group backend on a GPU host (simulated: torch.cuda.is_available / device_count patched)."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from app.__main__ import main
+from scheduling.payload import IGNORE_INDEX
 
 
 @pytest.mark.slow
 def test_verify_json_all_distributed(capsys) -> None:
     code = main(["verify", "--cp", "2", "--model", "tiny-qwen2", "--lengths", "1,2,30,64",
-                 "--distribute", "all", "--json"])
+                 "--distribute", "all", "--backend", "gloo", "--json"])  # gloo: CPU on any host
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0, out
     assert {"loss_abs_diff", "grad_max_abs_diff", "grad_max_rel_diff", "tolerance", "ok"} <= set(out)
-    assert out["ok"] is True and out["tolerance"] == 1e-5
+    assert out["ok"] is True and out["tolerance"] == 1e-5 and out["backend"] == "gloo"
     assert out["plan"] == {"local": [[], []], "distributed": [0, 1, 2, 3]}
     assert out["grad_max_rel_diff"] <= 1e-5
 
@@ -25,3 +29,66 @@ def test_verify_rejects_bad_lengths(capsys) -> None:
     assert main(["verify", "--lengths", "3,x"]) == 2
     assert "--lengths" in capsys.readouterr().err
     assert main(["verify", "--lengths", "0,4"]) == 2
+
+
+def _pretend_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_verify_refuses_two_nccl_ranks_on_one_gpu(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """NCCL cannot put two ranks on one GPU ("Duplicate GPU"): exit 2 naming --cp before a process starts."""
+    _pretend_gpus(monkeypatch, 1)
+    assert main(["verify", "--cp", "2", "--lengths", "3,40"]) == 2
+    err = capsys.readouterr().err
+    assert "--cp 2 over NCCL needs 2 GPUs" in err and "this machine has 1" in err and "--backend gloo" in err
+    _pretend_gpus(monkeypatch, 0)
+    assert main(["verify", "--cp", "1", "--lengths", "3,40", "--backend", "nccl"]) == 2
+    assert "--backend nccl needs CUDA" in capsys.readouterr().err
+
+
+def test_the_backend_follows_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.commands.verify import resolve_backend
+    from workers.tools.launch import check_gpus_for
+
+    _pretend_gpus(monkeypatch, 2)
+    assert resolve_backend("auto", 2) == "nccl" and resolve_backend("gloo", 4) == "gloo"
+    check_gpus_for("nccl", 2)
+    with pytest.raises(ValueError, match="3 NCCL ranks need 3 GPUs"):
+        check_gpus_for("nccl", 3)  # run_workers' own guard, for every caller
+    _pretend_gpus(monkeypatch, 0)
+    assert resolve_backend("auto", 2) == "gloo"
+
+
+def _rank_on_a_gpu_host(rank: int, world: int, *args) -> dict:
+    """parity's rank function in a process where CUDA looks available (its group is gloo); also what
+    run_workers hid from this gloo rank."""
+    import os
+
+    hidden = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "DS_ACCELERATOR")}
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    from workers.tools.parity import _rank
+
+    return _rank(rank, world, *args) | {"hidden": hidden}
+
+
+def test_parity_ranks_over_gloo_stay_on_cpu_on_a_gpu_host(tmp_path: Path) -> None:
+    """backend="gloo" (the tests' CP=2 parity runs) keeps the model on CPU whatever the host has: the rank
+    picks its device by its group's backend, and run_workers hides the GPUs from gloo ranks."""
+    from workers.tools.launch import run_workers
+    from workers.tools.parity import ParitySpec, _build, make_plan, make_tokens
+
+    spec = ParitySpec(model="tiny-qwen2", lengths=(5, 17), cp_size=1, distribute="none",
+                      model_kwargs=(("vocab_size", 128),))
+    model = _build(spec)
+    ids, labels = make_tokens(spec, 128)
+    weights = tmp_path / "weights.pt"
+    torch.save(model.state_dict(), weights)
+    plan = make_plan(spec.lengths, 1, "none", model)
+    total = sum(sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels)
+    (rank,) = run_workers(_rank_on_a_gpu_host, 1, args=(spec, str(weights), plan, ids, labels, total),
+                          backend="gloo")
+    assert rank["tokens"] == 22 and rank["grads"] and torch.isfinite(torch.tensor(rank["loss"]))
+    # A gloo rank sees no GPU: DeepSpeed in one (test_lora, test_deepspeed_config) picks its CPU accelerator.
+    assert rank["hidden"] == {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}

@@ -20,12 +20,16 @@ import torch.distributed as dist
 from workers.models import ModelSpec
 
 
-class AdamWParams(TypedDict):
+class _AdamWRequired(TypedDict):
     lr: float
     weight_decay: float
     betas: list[float]
     eps: float
     torch_adam: bool
+
+
+class AdamWParams(_AdamWRequired, total=False):
+    foreach: bool
 
 
 class OptimizerSection(TypedDict):
@@ -58,6 +62,10 @@ class EnabledFlag(TypedDict):
     enabled: bool
 
 
+class DataTypesSection(TypedDict):
+    grad_accum_dtype: str
+
+
 class DeepSpeedConfig(TypedDict, total=False):
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
@@ -66,6 +74,7 @@ class DeepSpeedConfig(TypedDict, total=False):
     zero_optimization: ZeroSection
     gradient_clipping: float
     bf16: EnabledFlag
+    data_types: DataTypesSection
     wall_clock_breakdown: bool
     scheduler: SchedulerSection
 

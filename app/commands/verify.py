@@ -1,6 +1,7 @@
 """`python -m app verify`: one sharded DACP forward+backward vs the unsharded Hugging Face model.
 
-Starts --cp processes (gloo on CPU, NCCL when CUDA is available), runs the model on each rank's DACP
+Starts --cp processes (gloo on CPU, NCCL when CUDA is available: one GPU per rank, so `--cp 2` over NCCL
+needs 2 GPUs; `--backend gloo` runs every rank on CPU on any host), runs the model on each rank's DACP
 stream, sums loss and every parameter gradient over the ranks, and compares with the model's own
 single-process forward/backward (transformers' "sdpa" attention, one sequence at a time, loss = summed
 CE / label tokens). Exit code 1 when a difference exceeds the tolerance.
@@ -34,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                         help="compute dtype of the sharded run (default: model.dtype)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and tokens")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="auto: nccl (one GPU per rank) when CUDA is available, else gloo; gloo: every "
+                             "rank on CPU, whatever the host has")
     parser.add_argument("--force", action="store_true",
                         help="run even when the memory estimate exceeds what this machine has available")
     parser.epilog = ("grad rel diff of a parameter = max|sharded - reference| / max|reference| over that "
@@ -103,6 +107,27 @@ def _check_memory(args: argparse.Namespace, cfg: SkrullConfig, model: str, lengt
     return line
 
 
+def resolve_backend(requested: str, cp: int) -> str:
+    """The process-group backend for `cp` ranks; ConfigError naming --cp when NCCL lacks a GPU per rank.
+
+    Refused rather than run on CPU instead: on a GPU host `verify` is the check of the CUDA path (kernels,
+    NCCL ring), and a silent CPU run would print OK for a path it never ran.
+    """
+    import torch
+
+    from workers.tools.launch import default_backend
+
+    backend = default_backend() if requested == "auto" else requested
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and gpus == 0:
+        raise ConfigError("--backend nccl needs CUDA, and none is available here: use --backend gloo")
+    if backend == "nccl" and cp > gpus:
+        raise ConfigError(f"--cp {cp} over NCCL needs {cp} GPUs (one per rank: NCCL cannot put two ranks "
+                          f"on one GPU), this machine has {gpus}: use --cp {gpus} (the ring itself needs "
+                          "--cp >= 2, so 2 GPUs), or --backend gloo to run every rank on CPU")
+    return backend
+
+
 def _print_table(result: dict) -> None:
     print(f"plan: {result['plan']}  tokens per rank: {result['rank_tokens']}")
     print(f"loss  sharded {result['loss']:.8f}  reference {result['ref_loss']:.8f}  "
@@ -125,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = _lengths(args, cfg)
     if not lengths or min(lengths) < 1 or args.cp < 1:
         raise ConfigError("--lengths needs at least one length, each >= 1, and --cp must be >= 1")
+    backend = resolve_backend(args.backend, args.cp)
     estimate = _check_memory(args, cfg, model, lengths)
     if not args.json:
         print(estimate, flush=True)
@@ -134,13 +160,14 @@ def run(args: argparse.Namespace) -> int:
                           model_kwargs=_model_kwargs(cfg.model, model))
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    result = run_parity(spec)
+    result = run_parity(spec, backend=backend)
     if args.json:
         keys = ("loss_abs_diff", "grad_max_abs_diff", "grad_max_rel_diff", "tolerance", "ok", "loss",
                 "ref_loss", "plan", "rank_tokens")
-        print(json.dumps({k: result[k] for k in keys} | {"lengths": list(spec.lengths), "cp": spec.cp_size}))
+        print(json.dumps({k: result[k] for k in keys} | {"lengths": list(spec.lengths), "cp": spec.cp_size,
+                                                          "backend": backend, "dtype": spec.dtype}))
     else:
         print(f"verify: model={model} cp={spec.cp_size} lengths={list(spec.lengths)} "
-              f"distribute={spec.distribute} dtype={spec.dtype}")
+              f"distribute={spec.distribute} dtype={spec.dtype} backend={backend}")
         _print_table(result)
     return 0 if result["ok"] else 1

@@ -2,10 +2,11 @@
 
     results = run_workers(fn, world_size=3, args=(cases,))   # fn(rank, world_size, *args) -> picklable
 
-Each process initializes gloo (CPU) or NCCL (CUDA, one device per rank) over a free localhost port,
-calls `fn`, and writes its return value to a temp file that the parent reads back in rank order. A
-failure in any rank raises in the parent with that rank's traceback (torch.multiprocessing.spawn).
-`fn` must be importable by name (a module-level function) because processes are spawned.
+Each process initializes gloo (CPU: the host's GPUs hidden from it) or NCCL (CUDA, one device per rank:
+refused when there are fewer GPUs than ranks) over a free localhost port, calls `fn`, and writes its return
+value to a temp file that the parent reads back in rank order. A failure in any rank raises in the parent
+with that rank's traceback (torch.multiprocessing.spawn). `fn` must be importable by name (a module-level
+function) because processes are spawned.
 """
 
 from __future__ import annotations
@@ -30,8 +31,26 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def check_gpus_for(backend: str, world_size: int) -> None:
+    """NCCL needs a GPU of its own per rank (two ranks on one device fail in NCCL's init, "Duplicate
+    GPU detected"); raises ValueError naming both counts before any process starts."""
+    import torch
+
+    if backend != "nccl":
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world_size > gpus:
+        raise ValueError(f"{world_size} NCCL ranks need {world_size} GPUs (one each), this machine has "
+                         f"{gpus}")
+
+
 def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, out_dir: str,
            args: tuple) -> None:
+    if backend == "gloo":
+        # gloo ranks are CPU ranks on any host. Hidden before anything initializes CUDA, the GPUs of a GPU
+        # host cannot draw in a default device, nor DeepSpeed, which picks its accelerator from
+        # torch.cuda.is_available() and then moves the engine's model to it (gloo cannot reduce those).
+        os.environ.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     import torch
     import torch.distributed as dist
 
@@ -55,6 +74,7 @@ def run_workers(
     import torch.multiprocessing as mp
 
     backend = backend or default_backend()
+    check_gpus_for(backend, world_size)
     with tempfile.TemporaryDirectory(prefix="skrull-workers-") as out_dir:
         mp.spawn(_entry, args=(fn, world_size, free_port(), backend, out_dir, args), nprocs=world_size,
                  join=True)

@@ -101,8 +101,10 @@ def _rank(rank: int, world: int, spec: ParitySpec, weights: str, plan, ids, labe
     from workers.batch import build_rank_batch
     from workers.forward import micro_batch_loss_sum
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    # The process group's backend decides, not what the host has: gloo ranks stay on CPU on a GPU host
+    # (tests, `verify --backend gloo`); NCCL ranks use the GPU launch.py gave each of them.
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     model = _build(spec).to(device)
     model.load_state_dict(torch.load(weights, weights_only=True))
     group = dist.new_group(list(range(world)))
@@ -130,7 +132,10 @@ def _reference(spec: ParitySpec, weights: str, ids, labels, total: int) -> tuple
 
 
 def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
-    """Run the check; returns diffs, per-parameter stats, the plan and ok (within TOLERANCE)."""
+    """Run the check; returns diffs, per-parameter stats, the plan and ok (within TOLERANCE).
+
+    backend: gloo (every rank on CPU) or nccl (one GPU per rank); None: nccl when CUDA is available.
+    """
     import torch
 
     from workers.tools.launch import run_workers
