@@ -18,7 +18,7 @@ import pytest
 import torch
 from mp_utils import excess, sdpa_reference
 
-from workers.attention import BACKENDS, AttentionRuntime, DacpLayout, dacp_attention, make_kernel
+from workers.attention import BACKENDS, AttentionRuntime, DacpLayout, VarlenBlock, dacp_attention, make_kernel
 from workers.attention.kernels import (
     FLASH_ATTN_VERSIONS,
     FLASH_VARLEN_BACKWARD_KWARGS,
@@ -106,7 +106,8 @@ def test_runtime_resolves_the_backend_once() -> None:
         with pytest.raises(ValueError, match=f"model.attention_backend='{cuda_only}' needs a CUDA device"):
             make_kernel(cuda_only, CPU)
     with pytest.raises(ValueError, match="model.dtype=bf16"):
-        TorchFlashKernel().forward(*(torch.zeros(2, 2, 8),) * 3, [0, 2], [0, 2], causal=True, scale=SCALE)
+        block = VarlenBlock.build([0, 2], [0, 2], causal=True)
+        TorchFlashKernel().forward(*(torch.zeros(2, 2, 8),) * 3, block, scale=SCALE)
 
 
 def test_hf_call_without_layout_attends_each_row_on_this_rank_alone() -> None:
@@ -146,13 +147,15 @@ def test_flash_backward_is_called_with_exactly_the_declared_keywords() -> None:
     q, dout, out = (torch.zeros(5, 4, 8) for _ in range(3))
     k, v = torch.zeros(5, 2, 8), torch.zeros(5, 2, 8)
     lse = torch.zeros(4, 5)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, [0, 2, 5], [0, 2, 5], causal=True, scale=0.5)
+    block = VarlenBlock.build([0, 2, 5], [0, 2, 5], causal=True)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, block, scale=0.5)
     (call,) = fake.backward_calls
     assert sorted(call) == sorted(FLASH_VARLEN_BACKWARD_KWARGS)
     assert len(set(FLASH_VARLEN_BACKWARD_KWARGS)) == len(FLASH_VARLEN_BACKWARD_KWARGS)
     assert call["dq"] is dq and call["dk"] is dk and call["dv"] is dv and bool((dq == 1).all())
     assert call["causal"] is True and call["softmax_scale"] == 0.5 and call["dropout_p"] == 0.0
     assert (call["window_size_left"], call["window_size_right"], call["softcap"]) == (-1, -1, 0.0)
+    assert call["cu_seqlens_q"] is block.cu_q and call["cu_seqlens_k"] is block.cu_k  # prepared, not rebuilt
     assert call["cu_seqlens_q"].dtype == torch.int32 and call["cu_seqlens_q"].tolist() == [0, 2, 5]
     assert (call["max_seqlen_q"], call["max_seqlen_k"]) == (3, 3)
 
@@ -216,8 +219,9 @@ def _check_kernel_against_sdpa(kernel, lengths, heads, groups, tol) -> None:
     seqs = _seqs(lengths, heads, groups, torch.bfloat16, seed=3)
     q, k, v, dout = (torch.cat([s[i] for s in seqs]).cuda() for i in range(4))
     cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    out, lse = kernel.forward(q, k, v, cu, cu, causal=True, scale=SCALE)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, cu, cu, causal=True, scale=SCALE)
+    block = VarlenBlock.build(cu, cu, causal=True, device=q.device)
+    out, lse = kernel.forward(q, k, v, block, scale=SCALE)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, block, scale=SCALE)
     ref = _packed_sdpa_reference(seqs)
     ours = {"out": out, "lse": lse.T, "dq": dq, "dk": dk, "dv": dv}
     for name, value in ours.items():
@@ -255,3 +259,14 @@ def test_dacp_attention_on_cuda_matches_sdpa() -> None:
 def test_flash_attn_backend_matches_sdpa() -> None:
     pytest.importorskip("flash_attn")
     _check_kernel_against_sdpa(make_kernel("flash", torch.device("cuda")), [1, 17, 64], 4, 2, 2.5e-2)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("backend", ["torch-flash", "flash"])
+def test_cuda_kernels_with_one_query_per_segment(backend) -> None:
+    """max_seqlen_q == 1 with GQA sends both CUDA kernels down their ngroups-swap path (mha_varlen_fwd), whose
+    lse layout the ring's merge and the backward rely on: an idle micro-batch, shards of one-token chunks."""
+    if backend == "flash":
+        pytest.importorskip("flash_attn")
+    _check_kernel_against_sdpa(make_kernel(backend, torch.device("cuda")), [1, 1, 1], 4, 2, 2.5e-2)

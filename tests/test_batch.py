@@ -70,6 +70,27 @@ def test_zigzag_layout_drawing() -> None:
     assert padded_length(1, 4) == 8 and padded_length(9, 2) == 12
 
 
+def test_the_device_side_index_is_built_once_per_micro_batch() -> None:
+    """RankBatch.to indexes the layout (cu_seqlens, max lengths, zigzag rows) and the label rows once;
+    moving the moved batch again (the forward does) reuses it instead of rebuilding."""
+    ids = [[1] * 4, [2] * 2, list(range(10, 20))]
+    labels = [[IGNORE_INDEX, 1, 1, 1], [2, 2], list(range(10, 20))]
+    plan = DacpPlan(local=((0, 1), ()), distributed=(2,))
+    host = build_rank_batch(plan, ids, labels, cp_rank=0, cp_size=2)
+    assert host.index is None
+    assert host.label_rows.tolist() == torch.nonzero(host.targets != IGNORE_INDEX).flatten().tolist()
+    moved = host.to("cpu")
+    assert moved.to("cpu") is moved and moved.to(torch.device("cpu")) is moved
+    index = moved.index
+    assert index.local.cu_q.dtype == torch.int32 and index.local.cu_q.tolist() == [0, 4, 6]
+    assert (index.local.max_q, index.diag.max_q, index.kfirst.max_k) == (4, 6, 3)
+    assert index.diag.cu_q.tolist() == [0, 6] and index.kfirst.cu_k.tolist() == [0, 3]
+    assert index.qsecond.cu_q.tolist() == [0, 3] and not index.qsecond.causal and index.diag.causal
+    assert index.first.tolist() == [0, 1, 2] and index.second.tolist() == [3, 4, 5]  # rows of the shards
+    # One device copy of all bounds: the blocks are views into it.
+    assert index.local.cu_q.untyped_storage().data_ptr() == index.kfirst.cu_k.untyped_storage().data_ptr()
+
+
 def test_empty_plan_and_errors() -> None:
     b = build_rank_batch(DacpPlan.empty(3), [], [], cp_rank=2, cp_size=3)
     assert b.num_tokens == 0 and b.num_label_tokens == 0 and b.input_ids.dtype == torch.int64

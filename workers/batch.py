@@ -12,6 +12,10 @@ For CP rank r of N, a plan with local[r] = (a, b) and distributed = (d,), S_d = 
 
 `seq_index` / `position_ids` are the inverse mapping: stream token t is token position_ids[t] of the
 caller's sequence seq_index[t] (-1 for pads); tests use it to scatter results back.
+
+Built on the host; `RankBatch.to(device)` moves it once per micro-batch (pinned, non-blocking on CUDA) and
+indexes its layout there (`index`, workers/attention/index.py), so the step's hot path never builds a
+tensor from host data: every attention layer reads `index`, the loss reads `label_rows`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import numpy as np
 import torch
 
 from scheduling.payload import IGNORE_INDEX
+from workers.attention.index import DacpIndex
 from workers.attention.layout import DacpLayout
+from workers.transfer import to_device
 
 
 class PlanLike(Protocol):
@@ -44,17 +50,27 @@ class RankBatch:
     """[T] int64 next-token target of each token (-100: no loss)."""
     seq_index: torch.Tensor
     """[T] int64 index of each token's sequence in the caller's list (-1: pad)."""
+    label_rows: torch.Tensor
+    """[num_label_tokens] int64 stream rows with a target, ascending (the loss reads only these)."""
     layout: DacpLayout
     num_label_tokens: int
     """Tokens of this rank with a target (targets != -100)."""
+    index: DacpIndex | None = None
+    """The layout's device index, built by `to(device)`: what every attention call reads."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
     def to(self, device: torch.device | str) -> RankBatch:
-        return replace(self, input_ids=self.input_ids.to(device), position_ids=self.position_ids.to(device),
-                       targets=self.targets.to(device), seq_index=self.seq_index.to(device))
+        """This batch on `device`, its layout indexed there; the same batch if it is there already."""
+        ids = to_device(self.input_ids, device)
+        if self.index is not None and self.index.device == ids.device:
+            return self
+        return replace(self, input_ids=ids, position_ids=to_device(self.position_ids, device),
+                       targets=to_device(self.targets, device), seq_index=to_device(self.seq_index, device),
+                       label_rows=to_device(self.label_rows, device),
+                       index=DacpIndex.build(self.layout, ids.device))
 
 
 def padded_length(length: int, cp_size: int) -> int:
@@ -123,5 +139,6 @@ def build_rank_batch(
         torch.from_numpy(np.concatenate(c)) if c else torch.zeros(0, dtype=torch.long) for c in columns
     )
     layout = DacpLayout(cp_size=cp_size, local_lens=tuple(local_lens), dist_chunk_lens=tuple(chunk_lens))
+    label_rows = torch.from_numpy(np.flatnonzero(tgt_T.numpy() != IGNORE_INDEX).astype(np.int64))
     return RankBatch(input_ids=ids_T, position_ids=pos_T, targets=tgt_T, seq_index=seq_T, layout=layout,
-                     num_label_tokens=int((tgt_T != IGNORE_INDEX).sum()))
+                     label_rows=label_rows, num_label_tokens=int(label_rows.shape[0]))

@@ -1,7 +1,8 @@
 """One micro-batch on one CP rank: the model on the packed stream, then the chunked loss sum.
 
-    hidden = decoder(input_ids[1,T], position_ids[1,T], dacp_layout, dacp_runtime)   # DACP attention
-    loss_sum = sum_t CE(lm_head(hidden[t]), targets[t])                               # chunked, fp32
+    batch = batch.to(device)                      # once: pinned copies + the layout's DacpIndex
+    hidden = decoder(input_ids[1,T], position_ids[1,T], dacp_index, dacp_runtime)     # DACP attention
+    loss_sum = sum over label_rows t of CE(lm_head(hidden[t]), targets[t])             # chunked, fp32
 
 The caller divides by the global batch's label-token count (docs/design.md section 7), never per
 micro-batch.
@@ -33,7 +34,7 @@ def micro_batch_loss_sum(
         return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
     decoder = model.get_decoder()
     outputs = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                      use_cache=False, dacp_layout=batch.layout, dacp_runtime=runtime)
+                      use_cache=False, dacp_index=batch.index, dacp_runtime=runtime)
     hidden_TE = outputs.last_hidden_state[0]
-    return linear_cross_entropy_sum(hidden_TE, model.get_output_embeddings(), batch.targets.to(device),
-                                    loss_chunk_tokens)
+    return linear_cross_entropy_sum(hidden_TE, model.get_output_embeddings(), batch.targets,
+                                    loss_chunk_tokens, label_rows=batch.label_rows)

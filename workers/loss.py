@@ -1,11 +1,14 @@
 """Chunked linear + cross-entropy: the LM head and the loss without ever holding all logits.
 
-    hidden_TE --(chunk of C tokens)--> logits_CV (fp32) --> CE sum, d_logits = softmax - onehot
-                                                        --> d_hidden_CE, d_weight_VE accumulated
+    label_rows (host-built, on the device) --chunk of C rows--> hidden_CE = hidden[rows], targets[rows]
+        --> logits_CV (fp32) --> CE sum, d_logits = softmax - onehot
+        --> d_hidden[rows] = d_logits @ W, d_weight_VE accumulated
 
-Forward computes the gradients chunk by chunk right away (as fused linear-CE kernels do), so peak
-memory is one chunk's logits [C, V] plus the gradient buffers, never [T, V]. Backward only scales the
-stored gradients by the upstream gradient of the loss sum.
+Only tokens with a target are ever gathered: their rows come from the batch (RankBatch.label_rows, built on
+the host with the batch), so no step of the loss asks the device which tokens have a target (no `.any()`,
+`nonzero` or boolean mask, each a host sync on CUDA). Forward computes the gradients chunk by chunk right
+away (as fused linear-CE kernels do), so peak memory is one chunk's logits [C, V] plus the gradient
+buffers, never [T, V]. Backward only scales the stored gradients by the upstream gradient of the loss sum.
 """
 
 from __future__ import annotations
@@ -17,24 +20,21 @@ from scheduling.payload import IGNORE_INDEX
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TE, weight_VE, bias_V, targets_T, chunk):
+    def forward(ctx, hidden_TE, weight_VE, bias_V, targets_T, label_rows, chunk):
         loss = torch.zeros((), dtype=torch.float32, device=hidden_TE.device)
         d_hidden = torch.zeros_like(hidden_TE)
         d_weight = torch.zeros(weight_VE.shape, dtype=torch.float32, device=weight_VE.device)
         d_bias = None if bias_V is None else torch.zeros(bias_V.shape, dtype=torch.float32,
                                                           device=bias_V.device)
-        for start in range(0, hidden_TE.shape[0], chunk):
-            tgt = targets_T[start:start + chunk]
-            keep = tgt != IGNORE_INDEX
-            if not bool(keep.any()):
-                continue
-            h = hidden_TE[start:start + chunk][keep]
+        for start in range(0, label_rows.shape[0], chunk):
+            rows = label_rows[start:start + chunk]
+            tgt = targets_T.index_select(0, rows)[:, None]
+            h = hidden_TE.index_select(0, rows)
             logits = torch.nn.functional.linear(h, weight_VE, bias_V).float()
-            loss += torch.nn.functional.cross_entropy(logits, tgt[keep], reduction="sum")
+            loss += torch.nn.functional.cross_entropy(logits, tgt[:, 0], reduction="sum")
             d_logits = torch.softmax(logits, dim=-1)
-            d_logits[torch.arange(d_logits.shape[0], device=h.device), tgt[keep]] -= 1.0
-            rows = torch.nonzero(keep).flatten() + start
-            d_hidden[rows] = (d_logits.to(weight_VE.dtype) @ weight_VE).to(d_hidden.dtype)
+            d_logits.scatter_(1, tgt, d_logits.gather(1, tgt) - 1.0)
+            d_hidden.index_copy_(0, rows, (d_logits.to(weight_VE.dtype) @ weight_VE).to(d_hidden.dtype))
             d_weight += d_logits.T @ h.float()
             if d_bias is not None:
                 d_bias += d_logits.sum(0)
@@ -48,13 +48,21 @@ class _ChunkedLinearCE(torch.autograd.Function):
         d_hidden, d_weight, *rest = ctx.saved_tensors
         d_bias = (rest[0] * grad_loss).to(ctx.param_dtype) if ctx.has_bias else None
         return (d_hidden * grad_loss.to(d_hidden.dtype), (d_weight * grad_loss).to(ctx.param_dtype),
-                d_bias, None, None)
+                d_bias, None, None, None)
 
 
 def linear_cross_entropy_sum(
-    hidden_TE: torch.Tensor, head: torch.nn.Linear, targets_T: torch.Tensor, chunk_tokens: int = 4096
+    hidden_TE: torch.Tensor, head: torch.nn.Linear, targets_T: torch.Tensor, chunk_tokens: int = 4096,
+    *, label_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 sum of CE(head(hidden[t]), targets[t]) over targets != -100, in chunks of chunk_tokens."""
+    """fp32 sum of CE(head(hidden[t]), targets[t]) over targets != -100, chunk_tokens label tokens at a time.
+
+    `label_rows`: the rows with a target, ascending, on hidden's device (RankBatch.label_rows). Without it
+    they are found here from `targets_T`, which reads the targets on the host: fine on CPU and in tools,
+    a host sync on CUDA (the training step always passes them).
+    """
     if chunk_tokens < 1:
         raise ValueError("train.loss_chunk_tokens must be >= 1")
-    return _ChunkedLinearCE.apply(hidden_TE, head.weight, head.bias, targets_T, chunk_tokens)
+    if label_rows is None:
+        label_rows = torch.nonzero(targets_T != IGNORE_INDEX).flatten()
+    return _ChunkedLinearCE.apply(hidden_TE, head.weight, head.bias, targets_T, label_rows, chunk_tokens)

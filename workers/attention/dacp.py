@@ -7,18 +7,25 @@
 The local and distributed parts share no keys, so the local attention is the work that hides the
 first ring transfer (docs/design.md section 7). `overlap=False` runs the same work serialized (local
 first, then the ring posts its first transfer), which only the benchmark uses as a comparison.
+
+The stream's segments and shard rows come as a DacpIndex (workers/attention/index.py), built once per
+micro-batch and shared by every layer; a plain DacpLayout is indexed here, once for this call.
 """
 
 from __future__ import annotations
 
 import torch
 
+from workers.attention.index import DacpIndex
 from workers.attention.layout import DacpLayout
 from workers.attention.ring import ring_backward, ring_forward
 from workers.attention.runtime import AttentionRuntime, default_runtime
 
 
-def _check(runtime: AttentionRuntime, layout: DacpLayout, num_tokens: int) -> None:
+def _check(runtime: AttentionRuntime, index: DacpIndex, q_THD: torch.Tensor) -> None:
+    layout, num_tokens = index.layout, q_THD.shape[0]
+    if index.device != q_THD.device:
+        raise ValueError(f"the DacpIndex was built for {index.device}, the attention runs on {q_THD.device}")
     if layout.cp_size != runtime.cp_size:
         raise ValueError(f"batch built for cp_size={layout.cp_size} but the CP group has "
                          f"{runtime.cp_size} ranks")
@@ -28,32 +35,34 @@ def _check(runtime: AttentionRuntime, layout: DacpLayout, num_tokens: int) -> No
 
 class _DacpAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_THD, k_KGD, v_KGD, layout, comm, scale, kernel, overlap):
+    def forward(ctx, q_THD, k_KGD, v_KGD, index, comm, scale, kernel, overlap):
+        layout = index.layout
         num_local = layout.num_local_tokens
         parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def local() -> None:
             parts["local"] = kernel.forward(q_THD[:num_local], k_KGD[:num_local], v_KGD[:num_local],
-                                            layout.cu_local, layout.cu_local, causal=True, scale=scale)
+                                            index.local, scale=scale)
 
         has_dist = layout.num_dist_tokens > 0
         if not (overlap and has_dist):
             local()
         if has_dist:
             d = slice(num_local, None)
-            parts["dist"] = ring_forward(kernel, q_THD[d], k_KGD[d], v_KGD[d], layout, comm, scale,
+            parts["dist"] = ring_forward(kernel, q_THD[d], k_KGD[d], v_KGD[d], index, comm, scale,
                                          overlap=local if overlap else None)
         out_THD = torch.cat([parts["local"][0], *([parts["dist"][0]] if has_dist else [])])
         lse_HT = torch.cat([parts["local"][1], *([parts["dist"][1]] if has_dist else [])], dim=1)
         ctx.save_for_backward(q_THD, k_KGD, v_KGD, out_THD, lse_HT)
-        ctx.setup = (layout, comm, scale, kernel, overlap)
+        ctx.setup = (index, comm, scale, kernel, overlap)
         ctx.mark_non_differentiable(lse_HT)
         return out_THD, lse_HT
 
     @staticmethod
     def backward(ctx, dout_THD, _dlse):
         q_THD, k_KGD, v_KGD, out_THD, lse_HT = ctx.saved_tensors
-        layout, comm, scale, kernel, overlap = ctx.setup
+        index, comm, scale, kernel, overlap = ctx.setup
+        layout = index.layout
         num_local = layout.num_local_tokens
         dout_THD = dout_THD.contiguous()
         grads: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -61,8 +70,7 @@ class _DacpAttention(torch.autograd.Function):
 
         def local() -> None:
             grads["local"] = kernel.backward(dout_THD[loc], q_THD[loc], k_KGD[loc], v_KGD[loc], out_THD[loc],
-                                             lse_HT[:, loc], layout.cu_local, layout.cu_local,
-                                             causal=True, scale=scale)
+                                             lse_HT[:, loc], index.local, scale=scale)
 
         has_dist = layout.num_dist_tokens > 0
         if not (overlap and has_dist):
@@ -70,7 +78,7 @@ class _DacpAttention(torch.autograd.Function):
         if has_dist:
             d = slice(num_local, None)
             grads["dist"] = ring_backward(kernel, dout_THD[d], q_THD[d], k_KGD[d], v_KGD[d], out_THD[d],
-                                          lse_HT[:, d], layout, comm, scale,
+                                          lse_HT[:, d], index, comm, scale,
                                           overlap=local if overlap else None)
         names = ["local", "dist"] if has_dist else ["local"]
         dq, dk, dv = (torch.cat([grads[n][i] for n in names]) for i in range(3))
@@ -78,15 +86,16 @@ class _DacpAttention(torch.autograd.Function):
 
 
 def dacp_attention(
-    q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor, layout: DacpLayout,
+    q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor, layout: DacpLayout | DacpIndex,
     runtime: AttentionRuntime | None = None, *, scale: float | None = None, overlap: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of one CP rank's packed DACP stream; returns (out [T,H,D], lse [H,T] fp32).
 
-    q [T, H, D]; k, v [T, G, D] with H % G == 0. `runtime` carries the kernel and the CP group's ring
-    communicator (None: the single-rank "auto" runtime of q's device). Differentiable in q, k, v (lse is
-    not). Every rank of the group must call it with layouts built from the same plan (the distributed
-    part has the same shape on all ranks).
+    q [T, H, D]; k, v [T, G, D] with H % G == 0. `layout`: the micro-batch's DacpIndex on q's device
+    (what a model's layers share), or a DacpLayout, indexed here for this call alone. `runtime` carries the
+    kernel and the CP group's ring communicator (None: the single-rank "auto" runtime of q's device).
+    Differentiable in q, k, v (lse is not). Every rank of the group must call it with layouts built from the
+    same plan (the distributed part has the same shape on all ranks).
     """
     if runtime is None:
         runtime = default_runtime(q_THD.device)
@@ -96,6 +105,7 @@ def dacp_attention(
                         f"device, backend)), got {type(runtime).__name__}")
     if q_THD.shape[1] % k_KGD.shape[1]:
         raise ValueError(f"query heads {q_THD.shape[1]} not divisible by key/value heads {k_KGD.shape[1]}")
-    _check(runtime, layout, q_THD.shape[0])
+    index = layout if isinstance(layout, DacpIndex) else DacpIndex.build(layout, q_THD.device)
+    _check(runtime, index, q_THD)
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    return _DacpAttention.apply(q_THD, k_KGD, v_KGD, layout, runtime.comm, scale, runtime.kernel, overlap)
+    return _DacpAttention.apply(q_THD, k_KGD, v_KGD, index, runtime.comm, scale, runtime.kernel, overlap)

@@ -4,28 +4,39 @@ The model is called on one rank's packed stream (batch of 1) with two extra keyw
 transformers forwards to every attention call (docs/design.md section 9):
 
     model.model(input_ids=ids_1T, position_ids=pos_1T, use_cache=False,
-                dacp_layout=batch.layout, dacp_runtime=runtime)     # runtime: AttentionRuntime
+                dacp_index=batch.index, dacp_runtime=runtime)     # DacpIndex, AttentionRuntime
 
-Without `dacp_layout`, every batch row is treated as one whole causal sequence (no padding mask) and
-attended on this rank alone (the runtime's kernel, no ring), so a plain `model(input_ids)` call of one
-unpadded sequence per row still computes standard attention.
+`dacp_index` is the micro-batch's DacpIndex (workers/attention/index.py), built once when the batch moved
+to the device: every layer reads the same device tensors. Without it, every batch row is treated as one
+whole causal sequence (no padding mask) and attended on this rank alone (the runtime's kernel, no ring),
+so a plain `model(input_ids)` call of one unpadded sequence per row still computes standard attention;
+the index of such a row is built once per (length, device) and then reused by every layer and call.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from workers.attention.dacp import dacp_attention
+from workers.attention.index import DacpIndex
 from workers.attention.layout import DacpLayout
 from workers.attention.runtime import AttentionRuntime
 
 ATTENTION_NAME = "dacp"
 
 
+@functools.lru_cache(maxsize=64)
+def whole_row_index(length: int, device: torch.device) -> DacpIndex:
+    """The index of one whole causal sequence of `length` tokens (a plain model call's row)."""
+    return DacpIndex.build(DacpLayout(cp_size=1, local_lens=(length,) if length else ()), device)
+
+
 def dacp_attention_forward(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-    dacp_layout: DacpLayout | None = None, dacp_runtime: AttentionRuntime | None = None,
+    dacp_index: DacpIndex | None = None, dacp_runtime: AttentionRuntime | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [B, H, S, D], key/value [B, G, S, D] -> (out [B, S, H, D], None)."""
@@ -33,17 +44,20 @@ def dacp_attention_forward(
         raise ValueError("the dacp attention has no dropout: set the model config's attention_dropout to 0")
     if kwargs.get("sliding_window"):
         raise ValueError("the dacp attention does not implement sliding-window layers (use_sliding_window)")
+    if "dacp_layout" in kwargs:
+        # The keyword before DacpIndex: a layout would be re-indexed by every layer (host work per layer).
+        raise TypeError("pass dacp_index=DacpIndex.build(layout, device) per micro-batch, not dacp_layout")
     batch = query.shape[0]
-    if dacp_layout is not None and batch != 1:
+    if dacp_index is not None and batch != 1:
         raise ValueError(f"a DACP stream is one packed row; got a batch of {batch} rows")
     runtime = dacp_runtime
-    if dacp_layout is None and runtime is not None:
+    if dacp_index is None and runtime is not None:
         runtime = runtime.single_rank()  # whole rows, not shards: the ring has nothing to exchange
+    index = dacp_index or whole_row_index(query.shape[2], query.device)
     outs = []
     for b in range(batch):
-        layout = dacp_layout or DacpLayout(cp_size=1, local_lens=(query.shape[2],) if query.shape[2] else ())
         out, _ = dacp_attention(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1),
-                                layout, runtime, scale=scaling)
+                                index, runtime, scale=scaling)
         outs.append(out)
     return torch.stack(outs), None
 

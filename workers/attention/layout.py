@@ -8,14 +8,13 @@ chunks of c_i; rank r holds chunks r and 2N-1-r, so causal work is equal on ever
 
 Local sequences are whole (plain causal varlen attention, no communication). The distributed part has
 the same shape on every rank (same c_i), which is what lets the ring exchange K/V blocks verbatim.
+Host ints only; DacpIndex (workers/attention/index.py) is its device side, built once per micro-batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-
-import torch
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,12 +57,3 @@ class DacpLayout:
     def cu_chunk(self) -> tuple[int, ...]:
         """Segment bounds when only one chunk (c_i tokens) of each distributed sequence is taken."""
         return (0, *accumulate(self.dist_chunk_lens))
-
-    def half_index(self, second: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Rows of the distributed part holding each sequence's first (or second) chunk."""
-        starts = self.cu_dist[:-1]
-        parts = [
-            torch.arange(s + (c if second else 0), s + (2 * c if second else c), device=device)
-            for s, c in zip(starts, self.dist_chunk_lens, strict=True)
-        ]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)

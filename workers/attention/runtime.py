@@ -4,7 +4,8 @@
                    runtime = AttentionRuntime.create(cp_group, device, model.attention_backend)
                                  |-- kernel: make_kernel(backend, device)   "auto" resolved here, once
                                  '-- comm:   RingComm(cp_group)             None without CP (1 rank)
-    every call:    dacp_attention(q, k, v, layout, runtime)
+    every micro-batch: index = DacpIndex.build(layout, device)      (RankBatch.to, workers/attention/index.py)
+    every call:        dacp_attention(q, k, v, index, runtime)
 
 Both are built once, with the process group, and travel with it (the model call passes the runtime as
 the `dacp_runtime` keyword to the attention function, docs/design.md section 7); nothing is looked up

@@ -55,10 +55,10 @@ def _inputs(rank: int, world: int, plan, lengths: list[int], dims: tuple):
 
     heads, kv_heads, head_dim = dims
     ids = [[0] * n for n in lengths]
-    layout = build_rank_batch(plan, ids, ids, cp_rank=rank, cp_size=world).layout
+    index = build_rank_batch(plan, ids, ids, cp_rank=rank, cp_size=world).to("cpu").index  # once, as training
     gen = torch.Generator().manual_seed(rank)
-    return layout, [torch.randn(layout.num_tokens, h, head_dim, generator=gen).requires_grad_()
-                    for h in (heads, kv_heads, kv_heads)]
+    return index, [torch.randn(index.layout.num_tokens, h, head_dim, generator=gen).requires_grad_()
+                   for h in (heads, kv_heads, kv_heads)]
 
 
 def _bench_rank(rank: int, world: int, cases: dict, dims: tuple, repeats: int) -> dict:
@@ -78,10 +78,10 @@ def _bench_rank(rank: int, world: int, cases: dict, dims: tuple, repeats: int) -
         inputs = {name: _inputs(rank, world, plan, lengths, dims) for name, plan in plans.items()}
         times: dict[str, list[float]] = {name: [] for name in plans}
         for it in range(repeats + 1):
-            for name, (layout, (q, k, v)) in inputs.items():
+            for name, (index, (q, k, v)) in inputs.items():
                 dist.barrier(group=group)
                 start = time.perf_counter()
-                out, _ = dacp_attention(q, k, v, layout, runtime, overlap=name != "serialized")
+                out, _ = dacp_attention(q, k, v, index, runtime, overlap=name != "serialized")
                 out.backward(torch.ones_like(out))
                 elapsed = torch.tensor(time.perf_counter() - start)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from scheduling.payload import RankPayload, spare_payload
+from workers.attention.index import VarlenBlock
 from workers.distributed import ParallelGroups
 from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
 from workers.models import ModelSpec
@@ -120,11 +121,11 @@ def _overlap_row(model: torch.nn.Module, s: ProfileSettings, groups: ParallelGro
     kv_heads = model.config.num_key_value_heads
     q = torch.randn(tokens, heads, head_dim, dtype=_dtype(model), device=device)
     k = torch.randn(tokens, kv_heads, head_dim, dtype=_dtype(model), device=device)
-    cu = (0, tokens)
+    block = VarlenBlock.build((0, tokens), (0, tokens), causal=True, device=device)  # once, as a batch does
     kernel = groups.attention.kernel
 
     def local_attention() -> None:
-        kernel.forward(q, k, k, cu, cu, causal=True, scale=head_dim**-0.5)
+        kernel.forward(q, k, k, block, scale=head_dim**-0.5)
 
     kv_bytes = 2 * (tokens // s.cp_size) * s.kv_hidden_size * _element_size(model)
     repeats = 2 * s.repeats + 1
