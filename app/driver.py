@@ -30,6 +30,7 @@ from typing import Any, TextIO
 
 from app.config import ConfigError, SkrullConfig
 from app.preflight import preflight, run_location, run_name, write_snapshot
+from app.run_failures import one_line_failures
 from workers.storage import Location, pull_mirror, push_mirror
 
 
@@ -56,9 +57,11 @@ class TrainSummary:
 
     def to_json_dict(self) -> dict[str, Any]:
         """The public `train --json` summary: the totals, without the per-step history."""
+        from app.run_files import jsonable
+
         result = asdict(self)
         del result["history"]
-        return result
+        return jsonable(result)  # a skipped (non-finite) last step's loss: null, never a NaN literal
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -180,6 +183,7 @@ def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_step
     """The workers' WorkerSettings (model, DeepSpeed JSON, timeouts) from the config tree."""
     from app.deepspeed_config import deepspeed_config
     from app.model_args import model_spec
+    from workers.nonfinite import NonFinitePolicy
     from workers.train_loop import WorkerSettings
 
     train = config.train
@@ -190,6 +194,7 @@ def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_step
         checkpoint_every=train.checkpoint_every, log_every=train.log_every, run_dir=run_dir,
         planner=planner, monitor=monitor, seed=train.seed, collective_timeout_s=train.collective_timeout_s,
         planner_timeout_s=config.scheduling.planner_timeout_s, eval_every=train.eval_every,
+        nonfinite=NonFinitePolicy(train.nonfinite, train.max_skipped_steps),
     )
 
 
@@ -237,6 +242,7 @@ def _run_location(config: SkrullConfig, name: str) -> Location:
     return Location.of(config.run.storage_path) / name
 
 
+@one_line_failures  # a stopped run or a storage error: RunFailed, one line (app/run_failures.py)
 def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, worker_logs: bool = True,
           out: TextIO | None = None) -> TrainSummary:
     """Run a whole training job; raises ConfigError (or a subclass) on bad input before workers start.

@@ -68,6 +68,7 @@ class ProgressBar:
         self._start_sinks = start_sinks  # each new start of the worker group goes to these
         self.starts: list[dict[str, Any]] = []
         self._bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled, file=file)
+        self._file = file  # tqdm.write prints to stdout unless told: `--json` keeps stdout for the summary
         self._poll_s = poll_s
         self.history: list[dict[str, Any]] = []
         self._stop = threading.Event()
@@ -100,8 +101,18 @@ class ProgressBar:
                 sink(metrics)
             if previous is not None and metrics.get("session") != previous.get("session"):
                 self._bar.write(restart_line(previous, metrics))
+            if metrics.get("update_skipped") and not metrics.get("stopped"):
+                self._bar.write(skipped_line(metrics), file=self._file)
             self._bar.n = int(metrics["step"])  # a restarted group re-trains steps after its checkpoint
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+
+
+def skipped_line(metrics: dict[str, Any]) -> str:
+    """One line for the terminal when a step's update was dropped (train.nonfinite=skip)."""
+    what = metrics.get("nonfinite", "loss or gradient norm")
+    return (f"warning: step {metrics['step']}: non-finite {what}, "
+            f"its update was skipped ({metrics.get('skipped_steps', '?')} skipped so far; "
+            "train.max_skipped_steps in a row stop the run)")
 
 
 def _shape(metrics: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import ConfigError, ModelConfig, SkrullConfig
+from app.resume_checkpoints import set_aside_unloadable_checkpoints
 from workers.presets import TINY_PRESETS, is_tiny_preset
 from workers.storage import Location, is_remote
 
@@ -78,6 +79,7 @@ def run_location(config: SkrullConfig, name: str) -> Location:
     storage = _storage_location(config.run.storage_path)
     _check_writable(storage)
     run = storage / name
+    set_aside_unloadable_checkpoints(run)  # app/resume_checkpoints.py: resume only what loads
     check_resume(config, run)
     return run
 
