@@ -71,6 +71,7 @@ class ProgressBar:
         self._file = file  # tqdm.write prints to stdout unless told: `--json` keeps stdout for the summary
         self._poll_s = poll_s
         self.history: list[dict[str, Any]] = []
+        self._error: Exception | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -81,12 +82,21 @@ class ProgressBar:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self._drain()
-        self._bar.close()
+        try:
+            if self._error is None:
+                self._drain()
+        finally:
+            self._bar.close()
+        if self._error is not None and exc[0] is None:
+            raise self._error
 
     def _poll(self) -> None:
         while not self._stop.wait(self._poll_s):
-            self._drain()
+            try:
+                self._drain()
+            except Exception as err:  # noqa: BLE001 - a sink failed (a full disk): raised when fit ends,
+                self._error = err     # as one error (app/run_failures.py), not a thread's traceback now
+                return
 
     def _drain(self) -> None:
         new, starts = ray.get(self._monitor.poll.remote(len(self.history), len(self.starts)))

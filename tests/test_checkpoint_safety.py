@@ -164,6 +164,37 @@ def test_a_storage_error_inside_rays_wrappers_is_one_line_naming_the_storage_pat
         assert storage_failure(hidden, str(tmp_path)) is None
 
 
+def test_a_run_file_append_that_fails_midway_leaves_no_torn_line(tmp_path: Path, monkeypatch) -> None:
+    """A full disk takes half of a metrics.jsonl line: the file is cut back to its last whole line."""
+    from app.run_files import METRICS_FILE, append_jsonl, read_jsonl
+
+    path = tmp_path / METRICS_FILE
+    append_jsonl(path, {"step": 1, "loss": 2.0})
+    real_open = Path.open
+
+    class HalfWriter:
+        def __init__(self, stream) -> None:
+            self.stream = stream
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.stream.close()
+
+        def write(self, text: str) -> int:
+            self.stream.write(text[: len(text) // 2])
+            self.stream.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: HalfWriter(real_open(self, *a, **k)))
+    with pytest.raises(OSError):
+        append_jsonl(path, {"step": 2, "loss": 1.5})
+    monkeypatch.undo()
+    append_jsonl(path, {"step": 3, "loss": 1.0})  # space again: the file goes on whole
+    assert read_jsonl(path) == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.0}]
+
+
 @contextlib.contextmanager
 def small_filesystem(path: Path, size: str) -> Iterator[bool]:
     """A tmpfs of `size` mounted at `path` (True), or just the directory where mounting is impossible."""

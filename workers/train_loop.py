@@ -22,7 +22,9 @@ divergence or the same full disk, and print a traceback per worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import tempfile
 import uuid
@@ -83,11 +85,21 @@ class WorkerSettings:
 
 
 def _append_samples(run_dir: str, payload: RankPayload) -> None:
-    """One samples.jsonl line per DP rank of this step, through the run's filesystem (workers/storage.py)."""
-    (Location.of(run_dir) / "samples.jsonl").append_lines([
-        json.dumps({"step": payload.step, "epoch": payload.epoch, "dp_rank": dp_rank,
-                    "sample_ids": list(ids)})
-        for dp_rank, ids in enumerate(payload.sample_ids_by_dp_rank)])
+    """One samples.jsonl line per DP rank of this step, through the run's filesystem (workers/storage.py).
+
+    A local append that fails (a full disk) is cut back off, so no torn line stays behind (an object store
+    rewrites the object whole or not at all)."""
+    path = Location.of(run_dir) / "samples.jsonl"
+    size = path.local.stat().st_size if path.local is not None and path.local.exists() else 0
+    try:
+        path.append_lines([json.dumps({"step": payload.step, "epoch": payload.epoch, "dp_rank": dp_rank,
+                                       "sample_ids": list(ids)})
+                           for dp_rank, ids in enumerate(payload.sample_ids_by_dp_rank)])
+    except OSError:
+        if path.local is not None:
+            with contextlib.suppress(OSError):
+                os.truncate(path.local, size)
+        raise
 
 
 def _report(window: list[dict[str, Any]], engine: Any, payload: RankPayload, groups: ParallelGroups,
