@@ -214,7 +214,7 @@ def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
 
 def _checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(json.loads((p / "skrull_state.json").read_text())["step"]
-                  for p in run_dir.glob("checkpoint_*"))
+                  for p in run_dir.glob("checkpoint_*") if p.is_dir())
 
 
 def _strict_records(run_dir: Path) -> list[dict]:

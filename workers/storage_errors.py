@@ -9,6 +9,7 @@ chained causes); `find_storage_error` digs the OSError out and `storage_message`
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -76,6 +77,7 @@ def storage_message(storage_path: str, what: str, reason: str) -> str:
 
 
 def reason_of(err: OSError) -> str:
-    """`err` in a few words: its strerror and file, without pyarrow's "Detail:" repetition."""
-    text = (err.strerror or str(err)).split(". Detail:")[0]
+    """`err` in a few words: the errno's text (pyarrow's own is "Error writing bytes to file. Detail: ...")
+    and the file, else its message."""
+    text = os.strerror(err.errno) if err.errno else (err.strerror or str(err)).split(". Detail:")[0]
     return f"{text}: {err.filename}" if err.filename else text
