@@ -227,12 +227,12 @@ def _strict_records(run_dir: Path) -> list[dict]:
 
 def test_a_divergence_stops_the_run_at_that_step_with_one_line(local_ray, tmp_path: Path, capsys) -> None:
     """`python -m app train --json` with train.lr=1e30: step 1 is fine, its update makes the loss of step
-    2 non-finite; exit 1, one line on stderr, no JSON on stdout, only step 1's checkpoint."""
+    2 non-finite; exit 1, one line on stderr, no JSON on stdout, only step 1's checkpoint, no restart."""
     from app.__main__ import main
     from app.report import report_lines, run_report
 
     args = ["train", "--config", "configs/tiny-cpu.yaml", "--json", "--no-progress"]
-    for override in _overrides(tmp_path, "diverged", "train.steps=4"):
+    for override in _overrides(tmp_path, "diverged", "train.steps=4", "train.max_failures=2"):
         args += ["--set", override]
     assert main(args) == 1
     out, err = capsys.readouterr()
@@ -248,6 +248,7 @@ def test_a_divergence_stops_the_run_at_that_step_with_one_line(local_ray, tmp_pa
                                                                                        (2, True, True)]
     report = run_report(run_dir)
     assert (report["status"], report["nonfinite_steps"], report["loss_last"]) == ("stopped", [2], None)
+    assert report["starts"] == 1  # train.max_failures=2 never restarted the group into the same divergence
     assert any(text.startswith("non-finite steps 2") for text in report_lines(report))
 
 

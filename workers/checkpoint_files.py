@@ -6,10 +6,11 @@ verified against the manifests before a resume.
                                          world rank R wrote, hashed right after writing them
       step<N>/ ... latest skrull_state.json   (workers/checkpoints.py)
 
-Every rank saves its DeepSpeed shard into a local temporary directory, writes its own manifest there, and
-copies the directory into <run_dir>/<checkpoint name> (`copy_into`, pyarrow: a local path or an object
-store alike). A copy that fails (disk full, quota, permission) is removed (`remove`) before anything
-registers it: Ray Train only ever records a checkpoint every rank copied completely
+`save_checkpoint` (every rank): DeepSpeed's shard into a local temporary directory, this rank's manifest
+there, the directory copied into <run_dir>/<checkpoint name> (`copy_into`, pyarrow: a local path or an
+object store alike), then one all_gather of the ranks' copy errors. A copy that failed anywhere (disk
+full, quota, permission) is removed before anything registers it: the train loop reports a checkpoint to
+Ray Train (which records it as the newest) only when every rank copied it completely
 (workers/train_loop.py).
 
 Verification (`problems`) checks that every rank's manifest is there (skrull_state.json names the world
@@ -23,11 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.checkpoints import STATE_FILE
+from workers.checkpoints import STATE_FILE, CheckpointState
 from workers.storage import Location
+from workers.storage_errors import reason_of, storage_message, storage_path_of
 
 MANIFEST_PREFIX = "skrull_manifest_rank"
 _CHUNK = 8 << 20
@@ -76,6 +80,62 @@ def remove(filesystem: Any, target: str) -> None:
 
     if filesystem.get_file_info(target).type != fs.FileType.NotFound:
         filesystem.delete_dir(target)
+
+
+@dataclass(frozen=True, slots=True)
+class SavedCheckpoint:
+    name: str
+    """Ray Train's name for it (checkpoint_<time>), chosen by world rank 0."""
+    checkpoint: Any = None
+    """The ray.train.Checkpoint in the run's storage; None when it could not be written."""
+    failure: str | None = None
+    """Why it could not be written (one line naming run.storage_path), or None."""
+
+
+def save_checkpoint(engine: Any, state: CheckpointState, world_group: Any, run_dir: str) -> SavedCheckpoint:
+    """Every rank (collective): save `engine` and `state` into a temp dir, write this rank's manifest, copy
+    the dir into <run_dir>/<name>. When any rank's copy failed, world rank 0 removes the partial directory
+    and the result says why, naming run.storage_path."""
+    import ray.train
+    import torch.distributed as dist  # lazy: the driver verifies checkpoints (problems) without torch
+
+    storage = ray.train.get_context().get_storage()
+    # Ray Train's own upload first checks that this node sees the run's storage (a local run.storage_path
+    # not shared by every node fails here, naming it); its check is kept for the copies made here.
+    getattr(storage, "_check_validation_file", lambda: None)()
+    rank = dist.get_rank()
+    names = [storage.make_default_checkpoint_dir_name() if rank == 0 else None]  # Ray Train's own naming
+    dist.broadcast_object_list(names, src=0, group=world_group)  # once per checkpoint, not per step
+    name = names[0]
+    filesystem, target = storage.storage_filesystem, storage.build_checkpoint_path_from_name(name)
+    with tempfile.TemporaryDirectory(prefix="skrull-ckpt-") as tmp:
+        # LoRA: frozen base weights are rebuilt from the config, so the checkpoint holds only the adapter.
+        frozen = not all(p.requires_grad for p in engine.module.parameters())
+        engine.save_checkpoint(tmp, tag=state.tag, client_state={"skrull": asdict(state)},
+                               exclude_frozen_parameters=frozen)
+        if rank == 0:
+            state.write(tmp)
+        error = _try(write_manifest, tmp, rank) or _try(copy_into, tmp, filesystem, target)
+    errors: list[str | None] = [None] * dist.get_world_size(world_group)
+    dist.all_gather_object(errors, error, group=world_group)  # once per checkpoint, not per step
+    failed = {r: e for r, e in enumerate(errors) if e is not None}
+    if not failed:
+        return SavedCheckpoint(name, checkpoint=ray.train.Checkpoint(path=target, filesystem=filesystem))
+    left = _try(remove, filesystem, target) if rank == 0 else None
+    what = f"writing {name} (step {state.step}) on rank(s) {', '.join(map(str, failed))}"
+    fate = f"the partial {name} was removed" if left is None else f"the partial {name} is left ({left})"
+    reason = storage_message(storage_path_of(run_dir), what, next(iter(failed.values())))
+    return SavedCheckpoint(name, failure=f"{reason}; {fate}")
+
+
+def _try(write: Any, *args: Any) -> str | None:
+    """Run a write into storage; its OSError (disk full, quota, permission, an unreachable object store)
+    in a few words, or None."""
+    try:
+        write(*args)
+    except OSError as err:
+        return reason_of(err)
+    return None
 
 
 def problems(checkpoint: Location) -> list[str]:

@@ -26,9 +26,8 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -36,7 +35,7 @@ import torch.distributed as dist
 
 from scheduling.actor import Fetched, PlannerClient
 from scheduling.payload import Cursor, RankPayload
-from workers.checkpoint_files import copy_into, remove, write_manifest
+from workers.checkpoint_files import save_checkpoint
 from workers.checkpoints import (
     CheckpointState,
     convert_to_universal,
@@ -52,7 +51,6 @@ from workers.models import ModelSpec
 from workers.nonfinite import NonFiniteGuard, NonFinitePolicy, knob_values
 from workers.step import StepStats, run_step
 from workers.storage import Location
-from workers.storage_errors import reason_of, storage_message, storage_path_of
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,76 +111,21 @@ def _report(window: list[dict[str, Any]], engine: Any, payload: RankPayload, gro
     import ray.train
     from ray.train import CheckpointUploadMode
 
-    saved = _save_checkpoint(engine, payload, groups, run_dir) if save else None
-    if saved is not None and saved.failure is not None:
-        window[-1]["stopped"] = saved.failure
+    saved = None
+    if save:
+        state = CheckpointState(step=payload.step, epoch=payload.cursor.epoch, rows=payload.cursor.rows,
+                                tag=f"step{payload.step}", world_size=groups.world_size,
+                                dp_size=groups.dp_size, cp_size=groups.cp_size, spares=groups.spares)
+        saved = save_checkpoint(engine, state, groups.world_group, run_dir)
+        if saved.failure is not None:
+            window[-1]["stopped"] = saved.failure
     metrics = {**window[-1], "history": window}
     if saved is None or saved.checkpoint is None:
         ray.train.report(metrics)
-        return saved.failure if saved is not None else None
-    ray.train.report(metrics, checkpoint=saved.checkpoint, checkpoint_dir_name=saved.name,
-                     checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class SavedCheckpoint:
-    name: str
-    """Ray Train's name for it (checkpoint_<time>), chosen by world rank 0."""
-    checkpoint: Any = None
-    """The ray.train.Checkpoint in the run's storage; None when it could not be written."""
-    failure: str | None = None
-    """Why it could not be written (one line naming run.storage_path), or None."""
-
-
-def _save_checkpoint(engine: Any, payload: RankPayload, groups: ParallelGroups,
-                     run_dir: str) -> SavedCheckpoint:
-    """Every rank: save into a temp dir, write its manifest, copy into <run_dir>/<name>; collective.
-
-    When any rank's copy failed, world rank 0 removes the partial directory and the result says why.
-    """
-    import ray.train
-
-    storage = ray.train.get_context().get_storage()
-    # Ray Train's own upload first checks that this node sees the run's storage (a local run.storage_path
-    # not shared by every node fails here, naming it); its check is kept for the copies made here.
-    getattr(storage, "_check_validation_file", lambda: None)()
-    rank = dist.get_rank()
-    names = [storage.make_default_checkpoint_dir_name() if rank == 0 else None]  # Ray Train's own naming
-    dist.broadcast_object_list(names, src=0, group=groups.world_group)  # once per checkpoint, not per step
-    name = names[0]
-    filesystem, target = storage.storage_filesystem, storage.build_checkpoint_path_from_name(name)
-    state = CheckpointState(step=payload.step, epoch=payload.cursor.epoch, rows=payload.cursor.rows,
-                            tag=f"step{payload.step}", world_size=groups.world_size,
-                            dp_size=groups.dp_size, cp_size=groups.cp_size, spares=groups.spares)
-    with tempfile.TemporaryDirectory(prefix="skrull-ckpt-") as tmp:
-        # LoRA: frozen base weights are rebuilt from the config, so the checkpoint holds only the adapter.
-        frozen = not all(p.requires_grad for p in engine.module.parameters())
-        engine.save_checkpoint(tmp, tag=state.tag, client_state={"skrull": asdict(state)},
-                               exclude_frozen_parameters=frozen)
-        if rank == 0:
-            state.write(tmp)
-        error = _try(write_manifest, tmp, rank) or _try(copy_into, tmp, filesystem, target)
-    errors: list[str | None] = [None] * dist.get_world_size(groups.world_group)
-    dist.all_gather_object(errors, error, group=groups.world_group)  # once per checkpoint, not per step
-    failed = {r: e for r, e in enumerate(errors) if e is not None}
-    if not failed:
-        return SavedCheckpoint(name, checkpoint=ray.train.Checkpoint(path=target, filesystem=filesystem))
-    left = _try(remove, filesystem, target) if rank == 0 else None
-    what = f"writing {name} (step {payload.step}) on rank(s) {', '.join(map(str, failed))}"
-    fate = f"the partial {name} was removed" if left is None else f"the partial {name} is left ({left})"
-    reason = storage_message(storage_path_of(run_dir), what, next(iter(failed.values())))
-    return SavedCheckpoint(name, failure=f"{reason}; {fate}")
-
-
-def _try(write: Any, *args: Any) -> str | None:
-    """Run a write into storage; its OSError (disk full, quota, permission, an unreachable object store)
-    in a few words, or None."""
-    try:
-        write(*args)
-    except OSError as err:
-        return reason_of(err)
-    return None
+    else:
+        ray.train.report(metrics, checkpoint=saved.checkpoint, checkpoint_dir_name=saved.name,
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    return saved.failure if saved is not None else None
 
 
 def _start_group(settings: WorkerSettings, groups: ParallelGroups, resume: CheckpointState | None,
