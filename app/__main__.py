@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         _top_level_parser().parse_args(argv)  # prints usage / the unknown-command error and exits
         return 2
     args = build_command_parser(argv[0]).parse_args(argv[1:])
+    from app.run_failures import RunFailed
     from scheduling import SchedulingError
     from workers.storage import redact_text
 
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, SchedulingError) as err:
         print(f"skrull {args.command}: error: {redact_text(str(err))}", file=sys.stderr)
         return 2
+    except RunFailed as err:  # the run stopped for a reason it names (a divergence, a full disk)
+        print(f"skrull {args.command}: error: {err}", file=sys.stderr)
+        return 1
 
 
 def _redacting_excepthook(kind: type[BaseException], error: BaseException, trace: Any) -> None:

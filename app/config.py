@@ -276,7 +276,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     zero_stage: int = 2
-    """DeepSpeed ZeRO stage (the product is built and tested for 2)."""
+    """DeepSpeed ZeRO stage (the product is built and tested for 2). Stage 0 is refused: only ZeRO's
+    optimizer checks the gradient norm for inf/NaN before it applies an update (`nonfinite` relies on it)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory per token, ~1/3 more compute."""
     loss_chunk_tokens: int = 4096
@@ -299,19 +300,28 @@ class TrainConfig:
     mlflow_uri: str = ""
     """MLflow tracking URI every reported step's metrics also go to (app/mlflow_log.py), e.g.
     http://tracking:5000 or sqlite:///mlflow.db; empty: off. Needs the extra skrull-on-ray[mlflow]."""
+    nonfinite: Literal["error", "skip"] = "error"
+    """A step whose loss or gradient norm is inf/NaN on any rank (workers/nonfinite.py): `error` stops the
+    run at that step (its update is never applied, no checkpoint of it is written, exit 1 naming the step
+    and the knobs); `skip` drops that step's update, warns and goes on."""
+    max_skipped_steps: int = 3
+    """With nonfinite=skip: the run stops when this many steps in a row were skipped."""
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0 and self.epochs >= 1, "train.steps must be >= 0 and train.epochs >= 1")
         _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         for name in ("weight_decay", "warmup_steps", "grad_clip", "checkpoint_every"):
             _require(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
-        _require(self.zero_stage in (0, 1, 2), "train.zero_stage must be 0, 1 or 2 (built and tested: 2)")
+        _require(self.zero_stage in (1, 2), "train.zero_stage must be 1 or 2 (built and tested: 2; stage 0 "
+                 "applies inf/NaN gradients, the non-finite guard needs ZeRO's overflow check)")
         _require(self.loss_chunk_tokens >= 1, "train.loss_chunk_tokens must be >= 1")
         _require(self.log_every >= 1, "train.log_every must be >= 1")
         _require(self.max_failures >= -1, "train.max_failures must be >= 0 (or -1: no limit)")
         _require(self.collective_timeout_s > 0, "train.collective_timeout_s must be > 0 seconds")
         _require(self.keep_checkpoints >= 0, "train.keep_checkpoints must be >= 0 (0: keep every one)")
         _require(self.eval_every >= 0, f"train.eval_every must be >= 0 (0: no eval), got {self.eval_every}")
+        _require(self.max_skipped_steps >= 1,
+                 f"train.max_skipped_steps must be >= 1, got {self.max_skipped_steps}")
         _require(isinstance(self.mlflow_uri, str) and self.mlflow_uri == self.mlflow_uri.strip(),
                  f"train.mlflow_uri must be a URI without surrounding spaces, got {self.mlflow_uri!r}")
 

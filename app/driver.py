@@ -33,6 +33,8 @@ from typing import Any, TextIO
 
 from app.config import ConfigError, SkrullConfig
 from app.preflight import CONFIG_SNAPSHOT, check_resume, preflight, run_name, run_storage, write_snapshot
+from app.resume_checkpoints import set_aside_unloadable_checkpoints
+from app.run_failures import one_line_failures
 from app.run_lock import run_lock
 from workers.storage import Location, pull_mirror, push_mirror
 
@@ -60,9 +62,11 @@ class TrainSummary:
 
     def to_json_dict(self) -> dict[str, Any]:
         """The public `train --json` summary: the totals, without the per-step history."""
+        from app.run_files import jsonable
+
         result = asdict(self)
         del result["history"]
-        return result
+        return jsonable(result)  # a skipped (non-finite) last step's loss: null, never a NaN literal
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -244,6 +248,7 @@ def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_step
     """The workers' WorkerSettings (model, DeepSpeed JSON, timeouts) from the config tree."""
     from app.deepspeed_config import deepspeed_config
     from app.model_args import model_spec
+    from workers.nonfinite import NonFinitePolicy
     from workers.train_loop import WorkerSettings
 
     train = config.train
@@ -254,6 +259,7 @@ def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_step
         checkpoint_every=train.checkpoint_every, log_every=train.log_every, run_dir=run_dir,
         planner=planner, monitor=monitor, seed=train.seed, collective_timeout_s=train.collective_timeout_s,
         planner_timeout_s=config.scheduling.planner_timeout_s, eval_every=train.eval_every,
+        nonfinite=NonFinitePolicy(train.nonfinite, train.max_skipped_steps),
     )
 
 
@@ -306,6 +312,7 @@ def _run_location(config: SkrullConfig, name: str) -> Location:
     return Location.of(config.run.storage_path) / name
 
 
+@one_line_failures  # a stopped run or a storage error: RunFailed, one line (app/run_failures.py)
 def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, worker_logs: bool = True,
           out: TextIO | None = None) -> TrainSummary:
     """Run a whole training job; raises ConfigError (or a subclass) on bad input before workers start.
@@ -332,6 +339,7 @@ def _train_locked(config: SkrullConfig, name: str, *, progress: bool, quiet: boo
     run = run_storage(config, name)
     existed = run.exists()
     with run_lock(run, out=out, on_lost=_thread.interrupt_main):  # a lost lease stops the call (Ctrl-C)
+        set_aside_unloadable_checkpoints(run)  # app/resume_checkpoints.py: resume only what loads
         resuming = check_resume(config, run, data)
         if write_snapshot(config, run, data, fresh=not resuming):
             print(f"run {name!r} has no complete checkpoint to resume: it starts fresh with this config "

@@ -68,8 +68,10 @@ class ProgressBar:
         self._start_sinks = start_sinks  # each new start of the worker group goes to these
         self.starts: list[dict[str, Any]] = []
         self._bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled, file=file)
+        self._file = file  # tqdm.write prints to stdout unless told: `--json` keeps stdout for the summary
         self._poll_s = poll_s
         self.history: list[dict[str, Any]] = []
+        self._error: Exception | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -80,12 +82,21 @@ class ProgressBar:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self._drain()
-        self._bar.close()
+        try:
+            if self._error is None:
+                self._drain()
+        finally:
+            self._bar.close()
+        if self._error is not None and exc[0] is None:
+            raise self._error
 
     def _poll(self) -> None:
         while not self._stop.wait(self._poll_s):
-            self._drain()
+            try:
+                self._drain()
+            except Exception as err:  # noqa: BLE001 - a sink failed (a full disk): raised when fit ends,
+                self._error = err     # as one error (app/run_failures.py), not a thread's traceback now
+                return
 
     def _drain(self) -> None:
         new, starts = ray.get(self._monitor.poll.remote(len(self.history), len(self.starts)))
@@ -100,8 +111,18 @@ class ProgressBar:
                 sink(metrics)
             if previous is not None and metrics.get("session") != previous.get("session"):
                 self._bar.write(restart_line(previous, metrics))
+            if metrics.get("update_skipped") and not metrics.get("stopped"):
+                self._bar.write(skipped_line(metrics), file=self._file)
             self._bar.n = int(metrics["step"])  # a restarted group re-trains steps after its checkpoint
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+
+
+def skipped_line(metrics: dict[str, Any]) -> str:
+    """One line for the terminal when a step's update was dropped (train.nonfinite=skip)."""
+    what = metrics.get("nonfinite", "loss or gradient norm")
+    return (f"warning: step {metrics['step']}: non-finite {what}, "
+            f"its update was skipped ({metrics.get('skipped_steps', '?')} skipped so far; "
+            "train.max_skipped_steps in a row stop the run)")
 
 
 def _shape(metrics: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import CREDENTIAL_HINT, ConfigError, ModelConfig, SkrullConfig
+from app.resume_checkpoints import set_aside_unloadable_checkpoints
 from workers.presets import TINY_PRESETS, is_tiny_preset
 from workers.storage import Location, carries_credentials, is_remote, redact_text, redact_uri
 
@@ -90,8 +91,10 @@ def run_storage(config: SkrullConfig, name: str) -> Location:
 
 
 def run_location(config: SkrullConfig, name: str) -> Location:
-    """run_storage, then check_resume: a new run, or an existing one to resume (same math)."""
+    """run_storage, set_aside_unloadable_checkpoints, then check_resume: a new run, or an existing one to
+    resume (same math, from a checkpoint that loads)."""
     run = run_storage(config, name)
+    set_aside_unloadable_checkpoints(run)  # app/resume_checkpoints.py: resume only what loads
     check_resume(config, run)
     return run
 

@@ -7,8 +7,13 @@ worker group re-trains the steps after its checkpoint) counts once, with its las
 
 `run_report` returns the stable dict `report --json` prints:
 
-    run_dir, name, status ("finished" | "running or stopped" | "no step yet"), last_step, total_steps,
-    steps, samples, tokens, loss_first, loss_last, loss_min, eval_loss_last,
+    run_dir, name, status ("finished" | "stopped" | "running or stopped" | "no step yet"), last_step,
+    total_steps, steps, samples, tokens, loss_first, loss_last (the last step's; null when it was
+    non-finite), loss_min, eval_loss_last,
+    nonfinite_steps (steps whose loss or gradient norm was inf/NaN: their updates were not applied),
+    loss_spikes ([{step, loss, median}]: a loss above LOSS_SPIKE_FACTOR x the median of the previous
+    SPIKE_WINDOW finite losses; not an error, often the start of a divergence),
+    stopped (why the run stopped early, as `train` said it: a non-finite step, a full disk; or null),
     tokens_per_s (all tokens / all step time, as `train` prints it), tokens_per_s_median,
     tokens_per_s_per_worker_median, step_s_median, mfu_median, padding_fraction_mean,
     compute_imbalance_median, compute_imbalance_max,
@@ -23,6 +28,7 @@ Missing metrics (a run from before a metric existed) give null, never an error.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,6 +39,10 @@ from app.run_files import is_run_dir, read_run
 from app.tensorboard_log import scalars
 
 SPARK = "▁▂▃▄▅▆▇█"
+LOSS_SPIKE_FACTOR = 10.0
+SPIKE_WINDOW = 100
+"""The running median of a loss spike covers this many previous finite losses (a long run's early losses
+would otherwise keep the median high long after the loss fell)."""
 
 
 def _values(history: list[dict[str, Any]], key: str) -> list[float]:
@@ -52,6 +62,31 @@ def _mean(values: Iterable[float]) -> float | None:
 def step_history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The last record of every step, in step order (a restarted group's re-trained steps replace)."""
     return sorted({int(r["step"]): r for r in records}.values(), key=lambda r: int(r["step"]))
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def nonfinite_steps(history: list[dict[str, Any]]) -> list[int]:
+    """Steps whose update was skipped or whose loss was inf/NaN (written as null, app/run_files.py)."""
+    return [int(h["step"]) for h in history if h.get("update_skipped") or not _finite(h.get("loss"))]
+
+
+def loss_spikes(history: list[dict[str, Any]], factor: float = LOSS_SPIKE_FACTOR,
+                window: int = SPIKE_WINDOW) -> list[dict[str, float]]:
+    """Steps whose loss exceeds `factor` x the median of the previous `window` finite losses."""
+    spikes, previous = [], []
+    for h in history:
+        loss = h.get("loss")
+        if not _finite(loss):
+            continue
+        if previous:
+            median = statistics.median(previous[-window:])
+            if loss > factor * median > 0:
+                spikes.append({"step": int(h["step"]), "loss": float(loss), "median": float(median)})
+        previous.append(float(loss))
+    return spikes
 
 
 def rank_compute_means(history: list[dict[str, Any]]) -> list[float | None]:
@@ -89,7 +124,8 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
     history = step_history(run["records"])
     last_step = int(history[-1]["step"]) if history else 0
     total = _total_steps(run)
-    status = "no step yet" if not history else (
+    stopped = history[-1].get("stopped") if history else None
+    status = "no step yet" if not history else "stopped" if stopped else (
         "finished" if total is not None and last_step >= total else "running or stopped")
     losses, step_s = _values(history, "loss"), _values(history, "step_s")
     tokens = sum(int(h.get("tokens", 0)) for h in history)
@@ -101,8 +137,10 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
         "run_dir": str(root), "name": root.name, "status": status, "last_step": last_step,
         "total_steps": total, "steps": len(history),
         "samples": sum(int(h.get("samples", 0)) for h in history), "tokens": tokens,
-        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": float(history[-1]["loss"]) if history and _finite(history[-1].get("loss")) else None,
         "loss_min": min(losses, default=None),
+        "nonfinite_steps": nonfinite_steps(history), "loss_spikes": loss_spikes(history), "stopped": stopped,
         "eval_loss_last": evals[-1] if evals else None,
         "tokens_per_s": tokens / sum(step_s) if sum(step_s) > 0 else None,
         "tokens_per_s_median": _median(_values(history, "tokens_per_s")),
@@ -144,11 +182,12 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     losses = _values(r["history"], "loss")
     tokens_s = _values(r["history"], "tokens_per_s")
     evals = f", eval loss {_fmt(r['eval_loss_last'], '.4f')}" if r["eval_loss_last"] is not None else ""
+    last = "non-finite" if r["loss_last"] is None and r["nonfinite_steps"] else _fmt(r["loss_last"], ".4f")
     lines += [
         f"steps     {r['steps']} reported, {r['samples']} samples, {r['tokens']} tokens",
-        f"loss      {_fmt(r['loss_first'], '.4f')} -> {_fmt(r['loss_last'], '.4f')} "
-        f"(min {_fmt(r['loss_min'], '.4f')}){evals}",
+        f"loss      {_fmt(r['loss_first'], '.4f')} -> {last} (min {_fmt(r['loss_min'], '.4f')}){evals}",
         f"          {sparkline(losses)}",
+        *_health_lines(r),
         f"tokens/s  {_fmt(r['tokens_per_s'], '.0f')} overall, median step "
         f"{_fmt(r['tokens_per_s_median'], '.0f')} ({_fmt(r['tokens_per_s_per_worker_median'], '.0f')} per "
         f"worker), step {_fmt(r['step_s_median'])} s",
@@ -167,6 +206,27 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         ranks = ", ".join(f"{rank}: {_fmt(s)}" for rank, s in enumerate(busy))
         lines.append(f"busy s    per rank, mean compute per step: {ranks}")
     return lines
+
+
+def _health_lines(r: dict[str, Any]) -> list[str]:
+    """Non-finite steps, loss spikes and why the run stopped: nothing when there is none."""
+    lines = []
+    if r["nonfinite_steps"]:
+        lines.append(f"non-finite steps {_step_list(r['nonfinite_steps'])}: loss or gradient norm inf/NaN, "
+                     "their updates were not applied")
+    if r["loss_spikes"]:
+        spikes = ", ".join(f"step {s['step']}: {s['loss']:.4g} (median {s['median']:.4g})"
+                           for s in r["loss_spikes"][:5])
+        more = f" and {len(r['loss_spikes']) - 5} more" if len(r["loss_spikes"]) > 5 else ""
+        lines.append(f"loss spikes > {LOSS_SPIKE_FACTOR:g}x the running median: {spikes}{more}")
+    if r["stopped"]:
+        lines.append(f"stopped   {r['stopped']}")
+    return lines
+
+
+def _step_list(steps: list[int], most: int = 10) -> str:
+    shown = ", ".join(map(str, steps[:most]))
+    return shown + (f" and {len(steps) - most} more" if len(steps) > most else "")
 
 
 def _pct(value: float | None) -> float | None:

@@ -14,12 +14,14 @@ needs nothing but the run directory:
 
 Consistency while a run is being written: each JSONL record is one write() of one whole line on a file
 opened for appending, and readers take complete lines only (a torn last line, from a writer caught
-mid-write, is left for the next read); JSON documents are replaced whole (write to a temporary file,
-then os.replace). Non-finite floats are written as null (strict JSON).
+mid-write, is left for the next read; a write that fails, e.g. on a full disk, is cut back off); JSON
+documents are replaced whole (write to a temporary file, then os.replace). Non-finite floats are written as
+null (strict JSON).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -49,11 +51,18 @@ def jsonable(value: Any) -> Any:
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one record as one line with a single write (readers never see half of it as whole)."""
+    """Append one record as one line with a single write (readers never see half of it as whole); a write
+    that fails (a full disk) is cut back off, so no torn line stays in the middle of the file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(jsonable(record), allow_nan=False) + "\n"
-    with path.open("a", encoding="utf-8") as out:
-        out.write(line)
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with path.open("a", encoding="utf-8") as out:
+            out.write(line)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -4,6 +4,8 @@
       step<N>/                          DeepSpeed: model, ZeRO-2 optimizer partitions, LR schedule, step
       latest
       skrull_state.json                 {step, epoch, rows, tag, world_size, dp_size, cp_size, spares}
+      skrull_manifest_rank<R>.json      size and SHA-256 of each file rank R wrote (written, copied and
+                                        verified before a resume: workers/checkpoint_files.py)
 
 Resume on the same world size loads the DeepSpeed checkpoint as saved. ZeRO-2 partitions the optimizer
 state over all W ranks, so a checkpoint saved by W ranks cannot be loaded by W' != W as it is: the node's

@@ -20,6 +20,9 @@ between two log steps never waits on a collective or a device-to-host copy for m
                         of each distributed sequence padded to a multiple of 2N (workers/batch.py), or one
                         idle token when that is nothing (workers/step.py)
       rank_compute_s    per world rank: compute seconds of the step (NaN for a spare rank): busy time
+      update_skipped    DeepSpeed did not apply the step's update (its loss or gradient norm was inf/NaN,
+                        workers/nonfinite.py); then also "nonfinite": which of the two
+      skipped_steps     steps skipped so far by this start of the worker group
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class StepRecord:
     loss_sum: torch.Tensor
     grad_norm: torch.Tensor
     compute_s: float
+    applied: bool = True
+    nonfinite: str | None = None
+    skipped_steps: int = 0
 
 
 @dataclass
@@ -50,9 +56,11 @@ class MetricsWindow:
     spare: bool = False
     """A spare rank (workers/distributed.py): its compute time is left out of step time and imbalance."""
 
-    def add(self, fetched: Fetched, loss_sum: torch.Tensor, grad_norm: object, compute_s: float) -> None:
+    def add(self, fetched: Fetched, loss_sum: torch.Tensor, grad_norm: object, compute_s: float, *,
+            applied: bool = True, nonfinite: str | None = None, skipped_steps: int = 0) -> None:
         norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, device=loss_sum.device)
-        self.records.append(StepRecord(fetched, loss_sum, norm.detach().float(), compute_s))
+        self.records.append(StepRecord(fetched, loss_sum, norm.detach().float(), compute_s, applied,
+                                       nonfinite, skipped_steps))
 
     def flush(self, world_group: dist.ProcessGroup) -> list[dict[str, float | list[float]]]:
         """Reduce the window over all ranks (collective: every rank calls it on the same steps)."""
@@ -122,4 +130,6 @@ def _step_metrics(record: StepRecord, loss_sum: float, per_rank: torch.Tensor,
         "mfu": payload.flops_at_peak_s / max(step_s * int(trained.sum()), 1e-9),
         "padding_fraction": 1.0 - payload.global_tokens / max(computed, 1.0),
         "rank_compute_s": per_rank[:, 1].tolist(),
-    }
+        "update_skipped": not record.applied,
+        "skipped_steps": record.skipped_steps,
+    } | ({"nonfinite": record.nonfinite} if record.nonfinite else {})

@@ -15,6 +15,10 @@ a CP rank with no token in a micro-batch (all sequences local to its peers) runs
 pad token with no target, whose loss is 0 but whose graph touches every parameter like a real one. A spare
 rank (workers/distributed.py) runs only idle micro-batches, as many as the trained ranks run.
 
+Non-finite guard (workers/nonfinite.py): each micro-batch's backward loss is multiplied by 1, or by NaN when
+that loss is inf/NaN, so a bad loss always yields a non-finite gradient norm, which DeepSpeed's ZeRO step
+refuses to apply (`StepStats.applied`, from `engine.was_step_applied()`).
+
 Nothing here synchronizes the device except the end of the step on CUDA (so `compute_s` is the real time
 of the step, not of its kernel launches); the loss stays a device tensor until the metrics are reduced.
 """
@@ -32,6 +36,7 @@ from scheduling.payload import IGNORE_INDEX, RankPayload
 from workers.batch import RankBatch, build_rank_batch
 from workers.distributed import ParallelGroups
 from workers.forward import micro_batch_loss_sum
+from workers.nonfinite import nan_if_nonfinite
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +45,8 @@ class StepStats:
     """This rank's CE sum over its label tokens (detached, fp32, on the model's device)."""
     compute_s: float
     """Wall time of forward + backward + optimizer step on this rank (device-synchronized)."""
+    applied: bool = True
+    """DeepSpeed applied the update (False: the global gradient norm, or a loss, was inf/NaN)."""
 
 
 def idle_batch(cp_rank: int, cp_size: int, pad_id: int = 0) -> RankBatch:
@@ -80,8 +87,9 @@ def run_step(
         engine.set_gradient_accumulation_boundary(index == count - 1)
         micro_loss = micro_batch_loss_sum(engine.module, batch, runtime=groups.attention,
                                           loss_chunk_tokens=loss_chunk_tokens)
-        engine.backward(micro_loss * scale, scale_wrt_gas=False)
+        engine.backward(micro_loss * scale * nan_if_nonfinite(micro_loss), scale_wrt_gas=False)
         loss_sum += micro_loss.detach().float()
     engine.step()
     synchronize(device)
-    return StepStats(loss_sum=loss_sum, compute_s=time.perf_counter() - started)
+    return StepStats(loss_sum=loss_sum, compute_s=time.perf_counter() - started,
+                     applied=bool(engine.was_step_applied()))

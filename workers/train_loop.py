@@ -8,17 +8,26 @@
               every train.eval_every steps and after the last: + eval_loss (workers/eval_step.py), reported
 
 `ray.train.report` is a barrier, so every rank reports on the same steps. Checkpoints are DeepSpeed
-checkpoints that every rank writes into its own temp dir, merged by Ray Train into one checkpoint of the run
-(layout and resume on another world size: workers/checkpoints.py).
+checkpoints that every rank writes into its own temp dir with a manifest of its files and copies into the
+run's storage itself (workers/checkpoint_files.py); only when every rank's copy succeeded is the checkpoint
+reported to Ray Train (`checkpoint_upload_mode=NO_UPLOAD`: already in place), which records it as the
+newest. Layout and resume on another world size: workers/checkpoints.py.
+
+Stopping without an error: a non-finite step (workers/nonfinite.py) or a checkpoint that could not be
+written (disk full, quota, permission) ends the run on every rank alike: world rank 0 reports the window
+with a "stopped" message (the driver turns it into exit 1 with that line, app/run_failures.py) and every
+rank returns. Raising instead would make Ray Train restart the group (train.max_failures) into the same
+divergence or the same full disk, and print a traceback per worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
-import tempfile
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +35,7 @@ import torch.distributed as dist
 
 from scheduling.actor import Fetched, PlannerClient
 from scheduling.payload import Cursor, RankPayload
+from workers.checkpoint_files import save_checkpoint
 from workers.checkpoints import (
     CheckpointState,
     convert_to_universal,
@@ -38,6 +48,7 @@ from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
 from workers.eval_step import EvalSet, is_eval_step
 from workers.metrics import MetricsWindow
 from workers.models import ModelSpec
+from workers.nonfinite import NonFiniteGuard, NonFinitePolicy, knob_values
 from workers.step import StepStats, run_step
 from workers.storage import Location
 
@@ -67,40 +78,54 @@ class WorkerSettings:
     """scheduling.planner_timeout_s: longest wait for one step's payload."""
     eval_every: int = 0
     """train.eval_every: the eval loss after every this many steps and after the last (0: never)."""
+    nonfinite: NonFinitePolicy = NonFinitePolicy()
+    """train.nonfinite and train.max_skipped_steps (workers/nonfinite.py)."""
 
 
 def _append_samples(run_dir: str, payload: RankPayload) -> None:
-    """One samples.jsonl line per DP rank of this step, through the run's filesystem (workers/storage.py)."""
-    (Location.of(run_dir) / "samples.jsonl").append_lines([
-        json.dumps({"step": payload.step, "epoch": payload.epoch, "dp_rank": dp_rank,
-                    "sample_ids": list(ids)})
-        for dp_rank, ids in enumerate(payload.sample_ids_by_dp_rank)])
+    """One samples.jsonl line per DP rank of this step, through the run's filesystem (workers/storage.py).
+
+    A local append that fails (a full disk) is cut back off, so no torn line stays behind (an object store
+    rewrites the object whole or not at all)."""
+    path = Location.of(run_dir) / "samples.jsonl"
+    size = path.local.stat().st_size if path.local is not None and path.local.exists() else 0
+    try:
+        path.append_lines([json.dumps({"step": payload.step, "epoch": payload.epoch, "dp_rank": dp_rank,
+                                       "sample_ids": list(ids)})
+                           for dp_rank, ids in enumerate(payload.sample_ids_by_dp_rank)])
+    except OSError:
+        if path.local is not None:
+            with contextlib.suppress(OSError):
+                os.truncate(path.local, size)
+        raise
 
 
-def _report(window: list[dict[str, float]], engine: Any, payload: RankPayload, groups: ParallelGroups,
-            save: bool) -> None:
+def _report(window: list[dict[str, Any]], engine: Any, payload: RankPayload, groups: ParallelGroups,
+            save: bool, run_dir: str) -> str | None:
     """The one place that calls ray.train.report; with `save`, every rank writes its DeepSpeed shard.
 
     The reported metrics are the window's last step, plus every step of the window under "history"
-    (the driver's progress bar and summary read that).
+    (the driver's progress bar and summary read that). Returns why the run stops (a checkpoint that could
+    not be written; its step's metrics then carry the reason as "stopped"), or None.
     """
     import ray.train
+    from ray.train import CheckpointUploadMode
 
-    metrics = {**window[-1], "history": window}
-    if not save:
-        ray.train.report(metrics)
-        return
-    with tempfile.TemporaryDirectory(prefix="skrull-ckpt-") as tmp:
+    saved = None
+    if save:
         state = CheckpointState(step=payload.step, epoch=payload.cursor.epoch, rows=payload.cursor.rows,
                                 tag=f"step{payload.step}", world_size=groups.world_size,
                                 dp_size=groups.dp_size, cp_size=groups.cp_size, spares=groups.spares)
-        # LoRA: frozen base weights are rebuilt from the config, so the checkpoint holds only the adapter.
-        frozen = not all(p.requires_grad for p in engine.module.parameters())
-        engine.save_checkpoint(tmp, tag=state.tag, client_state={"skrull": asdict(state)},
-                               exclude_frozen_parameters=frozen)
-        if dist.get_rank() == 0:
-            state.write(tmp)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        saved = save_checkpoint(engine, state, groups.world_group, run_dir)
+        if saved.failure is not None:
+            window[-1]["stopped"] = saved.failure
+    metrics = {**window[-1], "history": window}
+    if saved is None or saved.checkpoint is None:
+        ray.train.report(metrics)
+    else:
+        ray.train.report(metrics, checkpoint=saved.checkpoint, checkpoint_dir_name=saved.name,
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    return saved.failure if saved is not None else None
 
 
 def _start_group(settings: WorkerSettings, groups: ParallelGroups, resume: CheckpointState | None,
@@ -213,16 +238,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
 def _train(settings: WorkerSettings, engine: Any, groups: ParallelGroups, device: Any, *, resumed: int,
            session: str, is_rank0: bool) -> None:
-    """Steps resumed+1 .. total_steps: fetch, step, log window, report (with a checkpoint when due)."""
+    """Steps resumed+1 .. total_steps: fetch, step, log window, report (with a checkpoint when due); stops
+    early, on every rank alike, at a non-finite step or a checkpoint that could not be written."""
     planner = PlannerClient(settings.planner, timeout_s=settings.planner_timeout_s)
     window = MetricsWindow(spare=groups.is_spare)
+    guard = NonFiniteGuard(settings.nonfinite, knob_values(settings.deepspeed), last_checkpoint_step=resumed)
     shape = {"world_size": groups.world_size, "dp_size": groups.dp_size, "cp_size": groups.cp_size,
              "spare_workers": groups.spares, "resumed_from_step": resumed, "session": session}
     last = settings.total_steps
     eval_set = EvalSet.fetch(settings.planner, groups, timeout_s=settings.planner_timeout_s) \
         if settings.eval_every else None
     for step in range(resumed + 1, last + 1):
-        fetched, _ = fetch_and_step(settings, planner, engine, groups, device, window, step)
+        fetched, _ = fetch_and_step(settings, planner, engine, groups, device, window, step, guard=guard)
+        if guard.stop is not None:  # its samples were never trained on: samples.jsonl does not get them
+            metrics = [m | shape for m in window.flush(groups.world_group)]
+            metrics[-1]["stopped"] = guard.stop
+            _report(metrics, engine, fetched.payload, groups, save=False, run_dir=settings.run_dir)
+            return
         if is_rank0:
             _append_samples(settings.run_dir, fetched.payload)
         save = step == last or bool(settings.checkpoint_every and step % settings.checkpoint_every == 0)
@@ -234,19 +266,30 @@ def _train(settings: WorkerSettings, engine: Any, groups: ParallelGroups, device
             if evaluate:
                 metrics[-1]["eval_loss"] = eval_set.loss(engine, groups, device=device,
                                                          loss_chunk_tokens=settings.loss_chunk_tokens)
-            _report(metrics, engine, fetched.payload, groups, save=save)
+            if _report(metrics, engine, fetched.payload, groups, save=save, run_dir=settings.run_dir):
+                return
+            if save:
+                guard.last_checkpoint_step = step
 
 
 def fetch_and_step(settings: WorkerSettings, planner: PlannerClient, engine: Any, groups: ParallelGroups,
-                   device: Any, window: MetricsWindow, step: int) -> tuple[Fetched, StepStats]:
+                   device: Any, window: MetricsWindow, step: int,
+                   guard: NonFiniteGuard | None = None) -> tuple[Fetched, StepStats]:
     """One step: wait for this rank's payload, run it on `engine`, add the step to the metrics window.
 
     The window keeps the two timers every report is made of: the planner wait (Fetched.wait_s) and the
-    compute time of the step on this rank (StepStats.compute_s). A spare rank asks as dp_rank -1.
+    compute time of the step on this rank (StepStats.compute_s). A spare rank asks as dp_rank -1. With a
+    `guard`, a step DeepSpeed did not apply (non-finite) is judged there (warned about, or `guard.stop`).
     """
     dp_rank, cp_rank = (-1, 0) if groups.is_spare else (groups.dp_rank, groups.cp_rank)
     fetched = planner.fetch(step, dp_rank, cp_rank)
     stats = run_step(engine, fetched.payload, groups, device=device,
                      loss_chunk_tokens=settings.loss_chunk_tokens)
-    window.add(fetched, stats.loss_sum, engine.get_global_grad_norm(), stats.compute_s)
+    nonfinite = None
+    if guard is not None:
+        nonfinite = guard.after_step(step, stats.applied, stats.loss_sum, groups.world_group)
+        if nonfinite and guard.stop is None and dist.get_rank() == 0:
+            print(guard.warning(step, nonfinite), flush=True)
+    window.add(fetched, stats.loss_sum, engine.get_global_grad_norm(), stats.compute_s, applied=stats.applied,
+               nonfinite=nonfinite, skipped_steps=guard.skipped if guard is not None else 0)
     return fetched, stats

@@ -1,0 +1,343 @@
+"""A run never loses its last good state: checkpoints verified before a resume, storage errors in one line.
+
+Unit (no Ray): the manifests every rank writes (workers/checkpoint_files.py) catch a truncated or altered
+file and a missing rank; the driver sets a bad newest checkpoint aside so that Ray Train's own reader
+(`Result.from_path`, what a resume reads) names the older one, and refuses with exit 2 when none loads
+(app/resume_checkpoints.py); a storage OSError buried in Ray's wrappers becomes one line naming
+run.storage_path and the free space (workers/storage_errors.py, app/run_files.py).
+
+End to end (slow, two Ray runs): a tiny run whose run.storage_path is a 7 MiB tmpfs (two checkpoints of
+~2.8 MB fit, the third does not) stops at step 3 with one error naming run.storage_path and the free space,
+and no partial checkpoint stays. Where mounting is impossible (not root), a read-only leftover directory of
+step 3's checkpoint makes the same write fail with EACCES instead. The run is then copied to roomy storage,
+one optimizer shard of its newest checkpoint (step 2) is truncated, and a rerun with more steps warns
+naming that checkpoint, resumes from step 1, and re-trains steps 2 and 3 to the first run's losses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.config import ConfigError, load_config
+from tests.run_configs import SMALL_VOCAB
+from workers.checkpoint_files import manifest_name, problems, write_manifest
+from workers.storage import Location
+
+# ----------------------------------------------------------------------------- manifests (unit)
+
+
+def checkpoint_name(step: int) -> str:
+    """A checkpoint directory name of the unit tests' runs (Ray Train's are checkpoint_<time>)."""
+    return f"checkpoint_step{step}"
+
+
+def _checkpoint(root: Path, step: int, world: int = 2) -> Path:
+    """A checkpoint directory as the ranks leave it: each rank's files and manifest, rank 0's state."""
+    final = root / checkpoint_name(step)
+    for rank in range(world):
+        tmp = root / f"tmp-{step}-{rank}"
+        (tmp / f"step{step}").mkdir(parents=True)
+        (tmp / f"step{step}" / f"optim_rank{rank}.pt").write_bytes(os.urandom(1000 + rank))
+        if rank == 0:
+            (tmp / "skrull_state.json").write_text(json.dumps({"step": step, "world_size": world}))
+        write_manifest(tmp, rank)
+        shutil.copytree(tmp, final, dirs_exist_ok=True)
+        shutil.rmtree(tmp)
+    return final
+
+
+def test_manifests_catch_truncation_alteration_and_a_missing_rank(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path, 4)
+    assert problems(Location.of(ckpt)) == []
+    shard = ckpt / "step4" / "optim_rank1.pt"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:500])
+    assert problems(Location.of(ckpt)) == ["step4/optim_rank1.pt has 500 bytes, 1001 were written"]
+    shard.write_bytes(bytes([data[0] ^ 1]) + data[1:])
+    assert problems(Location.of(ckpt)) == ["step4/optim_rank1.pt's SHA-256 differs from the one recorded "
+                                           "when it was written"]
+    shard.write_bytes(data)
+    (ckpt / manifest_name(1)).unlink()
+    assert problems(Location.of(ckpt)) == [f"no manifest of 1 of its 2 ranks ({manifest_name(1)})"]
+    (ckpt / manifest_name(0)).unlink()  # a checkpoint from before manifests existed: nothing to check
+    assert problems(Location.of(ckpt)) == []
+    assert problems(Location.of(tmp_path / "nowhere")) == ["the directory is missing or empty"]
+
+
+# ------------------------------------------------------------------ choosing what to resume (unit)
+
+
+def _run_with_checkpoints(run: Path, steps: list[int]) -> None:
+    """A run directory whose Ray Train snapshot records `steps` (oldest first), as its controller writes."""
+    results = [{"version": 0, "checkpoint_dir_name": _checkpoint(run, s).name, "metrics": {"step": s}}
+               for s in steps]
+    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({
+        "ray_version": __import__("ray").__version__, "checkpoint_results": results,
+        "checkpoint_report_indices": [2 * i + 1 for i in range(len(steps))],
+        "latest_checkpoint_result": results[-1], "pending_training_results": [],
+        "pending_validation_specs": [], "current_report_index": 2 * len(steps),
+        "validated_checkpoint_dir_names": [], "timed_out_validation_checkpoint_dir_names": [],
+        "failed_validation_checkpoint_dir_names": []}))
+
+
+def _truncate_a_shard(checkpoint: Path) -> None:
+    shard = next(checkpoint.glob("step*/optim_rank1.pt"))
+    shard.write_bytes(shard.read_bytes()[:10])
+
+
+def test_a_bad_newest_checkpoint_is_set_aside_and_ray_train_resumes_the_older_one(tmp_path: Path) -> None:
+    from ray.train import Result
+
+    from app.preflight import recorded_step
+    from app.resume_checkpoints import set_aside_unloadable_checkpoints
+
+    run = tmp_path / "run"
+    _run_with_checkpoints(run, [2, 4, 6])
+    _truncate_a_shard(run / checkpoint_name(6))
+    out = io.StringIO()
+    set_aside_unloadable_checkpoints(run, out=out)
+    assert out.getvalue() == (
+        f"warning: run 'run': checkpoint {checkpoint_name(6)} (step 6) does not load (step6/optim_rank1.pt "
+        f"has 10 bytes, 1001 were written); set aside as checkpoint-corrupt-{checkpoint_name(6)}, resuming "
+        f"from {checkpoint_name(4)} (step 4)\n")
+    assert not (run / checkpoint_name(6)).exists()
+    assert (run / f"checkpoint-corrupt-{checkpoint_name(6)}").is_dir()
+    # Ray Train's own reader of the snapshot (what a resume and `export` read) now names step 4.
+    assert Path(Result.from_path(str(run)).checkpoint.path).name == checkpoint_name(4)
+    assert recorded_step(run) == 4
+    set_aside_unloadable_checkpoints(run, out=out)  # nothing left to set aside: a no-op
+    assert out.getvalue().count("\n") == 1
+
+
+def test_when_no_checkpoint_loads_the_run_is_refused_before_ray_naming_them(tmp_path: Path, capsys) -> None:
+    from app.__main__ import main
+
+    run = tmp_path / "broken"
+    _run_with_checkpoints(run, [2, 4])
+    for step in (2, 4):
+        _truncate_a_shard(run / checkpoint_name(step))
+    snapshot = (run / "checkpoint_manager_snapshot.json").read_text()
+    args = ["train", "--config", "configs/tiny-cpu.yaml", "--set", f"run.storage_path={tmp_path}",
+            "--set", "run.name=broken", "--set", SMALL_VOCAB, "--set", "train.steps=8"]
+    assert main(args) == 2  # ray.init is refused in this tier: decided before Ray starts
+    err = capsys.readouterr().err
+    assert err.startswith("skrull train: error: run 'broken': none of its checkpoints loads: ")
+    for name in (checkpoint_name(2), checkpoint_name(4), "checkpoint_manager_snapshot.json",
+                 "another run.name"):
+        assert name in err
+    assert (run / "checkpoint_manager_snapshot.json").read_text() == snapshot  # nothing changed
+
+
+# ----------------------------------------------------------------------- storage errors (unit)
+
+
+def test_a_storage_error_inside_rays_wrappers_is_one_line_naming_the_storage_path(tmp_path: Path) -> None:
+    from ray.train import WorkerGroupError
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    from app.run_failures import storage_failure
+
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "samples.jsonl"))
+    wrapped = WorkerGroupError("rank 0 failed", {0: UserExceptionWithTraceback(full, "Traceback ...")})
+    failure = storage_failure(wrapped, str(tmp_path))
+    assert failure is not None
+    message = str(failure)
+    assert message.startswith(f"run.storage_path={tmp_path}: a write into the run's storage failed (No space "
+                              f"left on device: {tmp_path / 'run' / 'samples.jsonl'}; ")
+    assert " MiB free)" in message and "rerun the same command to resume" in message
+    assert storage_failure(WorkerGroupError("x", {0: ValueError("a bug")}), str(tmp_path)) is None
+    try:
+        raise ConfigError("run.storage_path='x' is not writable") from None
+    except ConfigError as hidden:  # `from None` hides its cause: a ConfigError stays a ConfigError
+        assert storage_failure(hidden, str(tmp_path)) is None
+
+
+def test_a_run_file_append_that_fails_midway_leaves_no_torn_line(tmp_path: Path, monkeypatch) -> None:
+    """A full disk takes half of a metrics.jsonl line: the file is cut back to its last whole line."""
+    from app.run_files import METRICS_FILE, append_jsonl, read_jsonl
+
+    path = tmp_path / METRICS_FILE
+    append_jsonl(path, {"step": 1, "loss": 2.0})
+    real_open = Path.open
+
+    class HalfWriter:
+        def __init__(self, stream) -> None:
+            self.stream = stream
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.stream.close()
+
+        def write(self, text: str) -> int:
+            self.stream.write(text[: len(text) // 2])
+            self.stream.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: HalfWriter(real_open(self, *a, **k)))
+    with pytest.raises(OSError):
+        append_jsonl(path, {"step": 2, "loss": 1.5})
+    monkeypatch.undo()
+    append_jsonl(path, {"step": 3, "loss": 1.0})  # space again: the file goes on whole
+    assert read_jsonl(path) == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.0}]
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str) -> Iterator[bool]:
+    """A tmpfs of `size` mounted at `path` (True), or just the directory where mounting is impossible."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, check=False).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_copy_into_a_full_filesystem_raises_enospc(tmp_path: Path) -> None:
+    """The copy a rank makes of its shard (workers/checkpoint_files.copy_into) on a 1 MiB filesystem."""
+    from pyarrow import fs
+
+    from workers.checkpoint_files import copy_into
+
+    (tmp_path / "shard").mkdir()
+    (tmp_path / "shard" / "big.pt").write_bytes(os.urandom(2 << 20))
+    with small_filesystem(tmp_path / "small", "1m") as mounted:
+        if not mounted:
+            (tmp_path / "small").chmod(stat.S_IRUSR | stat.S_IXUSR)  # not root: permission instead
+        with pytest.raises(OSError) as caught:
+            copy_into(tmp_path / "shard", fs.LocalFileSystem(), str(tmp_path / "small" / "ckpt"))
+        assert caught.value.errno == (errno.ENOSPC if mounted else errno.EACCES)
+        (tmp_path / "small").chmod(0o755)
+
+
+# ------------------------------------------------------------------------- end to end (slow, Ray)
+
+OVERRIDES = ["run.name=full", "data.num_samples=40", "data.length_scale=0.1",
+             "scheduling.global_batch_size=8", "parallel.cp_size=1", "parallel.num_workers=2", SMALL_VOCAB,
+             "train.checkpoint_every=1", "train.steps=4"]
+SMALL = "7m"
+"""Two checkpoints of this tiny run (~2.8 MB each: model states, two optimizer shards) and its run files fit;
+a third does not, while Ray Train still keeps the first two (it deletes beyond train.keep_checkpoints=2 only
+after registering the new one)."""
+
+
+def _config(storage: Path):
+    return load_config("configs/tiny-cpu.yaml", [f"run.storage_path={storage}", *OVERRIDES])
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl"))
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _samples(run_dir: Path) -> dict[tuple[int, int], list[int]]:
+    lines = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    keyed = {(line["step"], line["dp_rank"]): line["sample_ids"] for line in lines}
+    assert len(keyed) == len(lines), "a step written twice"
+    return keyed
+
+
+def _checkpoints(run_dir: Path) -> dict[int, str]:
+    """step -> checkpoint directory name, of the run's checkpoint_* directories."""
+    return {json.loads((p / "skrull_state.json").read_text())["step"]: p.name
+            for p in run_dir.glob("checkpoint_*") if p.is_dir()}
+
+
+def _in_a_user_namespace(storage: Path, copy: Path) -> tuple[str, list[str]]:
+    """Not root: the same run through `python -m app train` in a user + mount namespace of its own, where
+    mounting a tmpfs is allowed (its own embedded Ray); returns (its error, the run directory's listing)."""
+    command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml", "--no-progress",
+               *(part for o in [f"run.storage_path={storage}", *OVERRIDES] for part in ("--set", o))]
+    script = (f'mount -t tmpfs -o size={SMALL} tmpfs "$0" || exit 99; "$@"; rc=$?; '
+              'ls -a "$0/full" >&2; cp -a "$0/full" "$COPY"; exit $rc')
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"COPY": str(copy)}
+    storage.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script,
+                           str(storage), *command],
+                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 1, f"no tmpfs could be mounted even in a user namespace: {done.stderr[-2000:]}"
+    errors = [line for line in done.stderr.splitlines() if line.startswith("skrull train: error: ")]
+    assert len(errors) == 1, done.stderr[-3000:]
+    listing = [line for line in done.stderr.splitlines() if line.startswith(("checkpoint", "metrics"))]
+    return errors[0].removeprefix("skrull train: error: "), listing
+
+
+@pytest.fixture(scope="module")
+def full_disk(local_ray, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, list[str], Path]:
+    """The run on a 7 MiB filesystem, stopped at step 3: (storage, its error, the run directory's listing,
+    a copy of the run directory on roomy storage, made while the small filesystem was still there)."""
+    from app.driver import train
+    from app.run_failures import RunFailed
+
+    root = tmp_path_factory.mktemp("full_disk")
+    storage, copy = root / "small", root / "roomy" / "full"
+    copy.parent.mkdir()
+    with small_filesystem(storage, SMALL) as mounted:
+        if mounted:
+            with pytest.raises(RunFailed) as failed:
+                train(_config(storage), progress=False)
+            message, listing = str(failed.value), sorted(p.name for p in (storage / "full").iterdir())
+            shutil.copytree(storage / "full", copy)
+    if not mounted:
+        message, listing = _in_a_user_namespace(storage, copy)
+    return storage, message, listing, copy
+
+
+def test_a_full_disk_is_one_error_naming_the_storage_path_and_no_partial_checkpoint_stays(full_disk) -> None:
+    from app.preflight import recorded_step
+
+    storage, message, listing, copy = full_disk
+    assert message.startswith(f"run.storage_path={storage}: writing checkpoint_"), message
+    assert "(step 3) on rank" in message and "No space left on device" in message, message
+    assert " MiB free)" in message and "rerun the same command to resume" in message, message
+    assert message.endswith(" was removed"), message
+    checkpoints = _checkpoints(copy)
+    assert sorted(checkpoints) == [1, 2]  # step 3's partial directory is gone
+    assert sorted(name for name in listing if name.startswith("checkpoint_2")) == sorted(checkpoints.values())
+    assert recorded_step(copy) == 2  # step 3's checkpoint never became the newest
+    # The run's files stay whole: strict JSON, step 3 reported as the one that stopped the run.
+    records = _records(copy)
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["stopped"] == message
+    assert sorted({step for step, _ in _samples(copy)}) == [1, 2, 3]
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_and_the_older_one_resumed(full_disk, capsys) -> None:
+    """The copied run: step 2's checkpoint loses most of one optimizer shard; a rerun resumes step 1's."""
+    from app.driver import train
+
+    run_dir = full_disk[3]
+    first = {r["step"]: r["loss"] for r in _records(run_dir)}
+    first_samples = _samples(run_dir)
+    names = _checkpoints(run_dir)
+    shard = run_dir / names[2] / "step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:size // 3])
+    summary = train(_config(run_dir.parent), progress=False)
+    warning = (f"warning: run 'full': checkpoint {names[2]} (step 2) does not load (step2/"
+               f"zero_pp_rank_1_mp_rank_00_optim_states.pt has {size // 3} bytes, {size} were written); set "
+               f"aside as checkpoint-corrupt-{names[2]}, resuming from {names[1]} (step 1)")
+    assert warning in capsys.readouterr().err
+    assert summary.resumed_from_step == 1 and [h["step"] for h in summary.history] == [2, 3, 4]
+    # Steps 2 and 3 re-trained from step 1's state give the first run's losses (fp32, summation order).
+    assert summary.losses[:2] == pytest.approx([first[2], first[3]], rel=1e-4)
+    samples = _samples(run_dir)  # cut back to step 1, then steps 2-4 once each, the same ids as before
+    assert sorted({step for step, _ in samples}) == [1, 2, 3, 4]
+    assert all(samples[key] == ids for key, ids in first_samples.items())
+    assert sorted(_checkpoints(run_dir)) == [3, 4]  # train.keep_checkpoints=2 over the recorded ones
+    assert (run_dir / f"checkpoint-corrupt-{names[2]}").is_dir()

@@ -1,0 +1,175 @@
+"""A checkpoint's files: written with a manifest per rank, copied into the run's storage whole or not at all,
+verified against the manifests before a resume.
+
+    checkpoint_<time>/                   Ray Train's name for a new checkpoint, chosen by world rank 0
+      skrull_manifest_rank<RRRRR>.json   {"rank": R, "files": {relative path: {"size", "sha256"}}}: the files
+                                         world rank R wrote, hashed right after writing them
+      step<N>/ ... latest skrull_state.json   (workers/checkpoints.py)
+
+`save_checkpoint` (every rank): DeepSpeed's shard into a local temporary directory, this rank's manifest
+there, the directory copied into <run_dir>/<checkpoint name> (`copy_into`, pyarrow: a local path or an
+object store alike), then one all_gather of the ranks' copy errors. A copy that failed anywhere (disk
+full, quota, permission) is removed before anything registers it: the train loop reports a checkpoint to
+Ray Train (which records it as the newest) only when every rank copied it completely
+(workers/train_loop.py).
+
+Verification (`problems`) checks that every rank's manifest is there (skrull_state.json names the world
+size) and that every listed file exists with the recorded size and SHA-256. Cost: hashing at save time
+reads each rank's own files once more (from the page cache, right after writing); verifying reads the whole
+checkpoint once, at ~1 GB/s locally (an object store: one download of it). A checkpoint without manifests
+(written before they existed) cannot be verified and is taken as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from workers.checkpoints import STATE_FILE, CheckpointState
+from workers.storage import Location
+from workers.storage_errors import reason_of, storage_message, storage_path_of
+
+MANIFEST_PREFIX = "skrull_manifest_rank"
+_CHUNK = 8 << 20
+
+
+def manifest_name(rank: int) -> str:
+    return f"{MANIFEST_PREFIX}{rank:05d}.json"
+
+
+def _sha256(stream: Any) -> str:
+    digest = hashlib.sha256()
+    while chunk := stream.read(_CHUNK):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: str | Path, rank: int) -> None:
+    """Record size and SHA-256 of every file below `directory` (what this rank wrote) in its manifest."""
+    root = Path(directory)
+    files = {}
+    written = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(MANIFEST_PREFIX))
+    for path in written:
+        with path.open("rb") as stream:
+            digest = _sha256(stream)
+        files[path.relative_to(root).as_posix()] = {"size": path.stat().st_size, "sha256": digest}
+    (root / manifest_name(rank)).write_text(json.dumps({"rank": rank, "files": files}, indent=1))
+
+
+def copy_into(directory: str | Path, filesystem: Any, target: str) -> None:
+    """Copy every file below the local `directory` into `target` on `filesystem` (pyarrow); raises OSError.
+
+    As Ray Train's own upload does (ray/train/v2/_internal/execution/storage.py _pyarrow_fs_copy_files):
+    64 MiB chunks, and no threads towards S3 (pyarrow's threaded S3 upload is unsafe, apache/arrow#32372).
+    """
+    from pyarrow import fs
+
+    threads = not isinstance(filesystem, getattr(fs, "S3FileSystem", ()))
+    filesystem.create_dir(target, recursive=True)
+    fs.copy_files(str(directory), target, source_filesystem=fs.LocalFileSystem(),
+                  destination_filesystem=filesystem, chunk_size=64 << 20, use_threads=threads)
+
+
+def remove(filesystem: Any, target: str) -> None:
+    """Delete the directory `target` on `filesystem` if it exists."""
+    from pyarrow import fs
+
+    if filesystem.get_file_info(target).type != fs.FileType.NotFound:
+        filesystem.delete_dir(target)
+
+
+@dataclass(frozen=True, slots=True)
+class SavedCheckpoint:
+    name: str
+    """Ray Train's name for it (checkpoint_<time>), chosen by world rank 0."""
+    checkpoint: Any = None
+    """The ray.train.Checkpoint in the run's storage; None when it could not be written."""
+    failure: str | None = None
+    """Why it could not be written (one line naming run.storage_path), or None."""
+
+
+def save_checkpoint(engine: Any, state: CheckpointState, world_group: Any, run_dir: str) -> SavedCheckpoint:
+    """Every rank (collective): save `engine` and `state` into a temp dir, write this rank's manifest, copy
+    the dir into <run_dir>/<name>. When any rank's copy failed, world rank 0 removes the partial directory
+    and the result says why, naming run.storage_path."""
+    import ray.train
+    import torch.distributed as dist  # lazy: the driver verifies checkpoints (problems) without torch
+
+    storage = ray.train.get_context().get_storage()
+    # Ray Train's own upload first checks that this node sees the run's storage (a local run.storage_path
+    # not shared by every node fails here, naming it); its check is kept for the copies made here.
+    getattr(storage, "_check_validation_file", lambda: None)()
+    rank = dist.get_rank()
+    names = [storage.make_default_checkpoint_dir_name() if rank == 0 else None]  # Ray Train's own naming
+    dist.broadcast_object_list(names, src=0, group=world_group)  # once per checkpoint, not per step
+    name = names[0]
+    filesystem, target = storage.storage_filesystem, storage.build_checkpoint_path_from_name(name)
+    with tempfile.TemporaryDirectory(prefix="skrull-ckpt-") as tmp:
+        # LoRA: frozen base weights are rebuilt from the config, so the checkpoint holds only the adapter.
+        frozen = not all(p.requires_grad for p in engine.module.parameters())
+        engine.save_checkpoint(tmp, tag=state.tag, client_state={"skrull": asdict(state)},
+                               exclude_frozen_parameters=frozen)
+        if rank == 0:
+            state.write(tmp)
+        error = _try(write_manifest, tmp, rank) or _try(copy_into, tmp, filesystem, target)
+    errors: list[str | None] = [None] * dist.get_world_size(world_group)
+    dist.all_gather_object(errors, error, group=world_group)  # once per checkpoint, not per step
+    failed = {r: e for r, e in enumerate(errors) if e is not None}
+    if not failed:
+        return SavedCheckpoint(name, checkpoint=ray.train.Checkpoint(path=target, filesystem=filesystem))
+    left = _try(remove, filesystem, target) if rank == 0 else None
+    what = f"writing {name} (step {state.step}) on rank(s) {', '.join(map(str, failed))}"
+    fate = f"the partial {name} was removed" if left is None else f"the partial {name} is left ({left})"
+    reason = storage_message(storage_path_of(run_dir), what, next(iter(failed.values())))
+    return SavedCheckpoint(name, failure=f"{reason}; {fate}")
+
+
+def _try(write: Any, *args: Any) -> str | None:
+    """Run a write into storage; its OSError (disk full, quota, permission, an unreachable object store)
+    in a few words, or None."""
+    try:
+        write(*args)
+    except OSError as err:
+        return reason_of(err)
+    return None
+
+
+def problems(checkpoint: Location) -> list[str]:
+    """What is wrong with `checkpoint`'s files against its manifests ([]: complete, or no manifests)."""
+    from pyarrow import fs
+
+    filesystem, root = checkpoint.filesystem, checkpoint.path.rstrip("/")
+    infos = filesystem.get_file_info(fs.FileSelector(root, recursive=True, allow_not_found=True))
+    sizes = {i.path[len(root) + 1:]: i.size for i in infos if i.type == fs.FileType.File}
+    manifests = sorted(name for name in sizes if name.startswith(MANIFEST_PREFIX))
+    if not sizes:
+        return ["the directory is missing or empty"]
+    if not manifests:
+        return []
+    try:
+        world = int(json.loads((checkpoint / STATE_FILE).read_text())["world_size"])
+        listed = [json.loads((checkpoint / name).read_text())["files"] for name in manifests]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [f"{STATE_FILE} or a manifest is unreadable ({err})"]
+    missing = sorted(set(map(manifest_name, range(world))) - set(manifests))
+    found = [f"no manifest of {len(missing)} of its {world} ranks ({', '.join(missing)})"] if missing else []
+    for files in listed:
+        for name, recorded in files.items():
+            found += _file_problems(filesystem, f"{root}/{name}", name, sizes.get(name), recorded)
+    return found
+
+
+def _file_problems(filesystem: Any, path: str, name: str, size: int | None,
+                   recorded: dict[str, Any]) -> list[str]:
+    if size is None:
+        return [f"{name} is missing"]
+    if size != recorded["size"]:
+        return [f"{name} has {size} bytes, {recorded['size']} were written"]
+    with filesystem.open_input_stream(path) as stream:
+        if _sha256(stream) != recorded["sha256"]:
+            return [f"{name}'s SHA-256 differs from the one recorded when it was written"]
+    return []
