@@ -66,7 +66,7 @@ def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool) -> DeepSpe
     }
     if on_gpu:
         ds["optimizer"]["params"]["foreach"] = True
-    if dtype == "bf16" and train.zero_stage >= 1:
+    if dtype == "bf16":  # train.zero_stage is 1 or 2 (app/config.py): both honour it
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
     if train.warmup_steps:
         ds["scheduler"] = {

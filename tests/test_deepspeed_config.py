@@ -39,9 +39,8 @@ def test_the_gpu_json_asks_for_torch_foreach_adamw_and_fp32_accumulation() -> No
     cpu = deepspeed_config(train, dtype="fp32", on_gpu=False)
     assert cpu["optimizer"]["params"]["torch_adam"] is True and "foreach" not in cpu["optimizer"]["params"]
     assert "data_types" not in cpu  # fp32 accumulates in fp32 anyway
-    # ZeRO stage 0 has no fp32 accumulation for bf16 in DeepSpeed (it raises on the mix): not asked for.
-    stage0 = load_config(None, ["train.zero_stage=0"]).train
-    assert "data_types" not in deepspeed_config(stage0, dtype="bf16", on_gpu=True)
+    stage1 = load_config(None, ["train.zero_stage=1"]).train
+    assert deepspeed_config(stage1, dtype="bf16", on_gpu=True)["data_types"] == {"grad_accum_dtype": "fp32"}
 
 
 def _refuse_op_builds() -> list[str]:
