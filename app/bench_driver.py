@@ -124,7 +124,7 @@ def _run(config: SkrullConfig, policies: tuple[str, ...], steps: int, name: str,
         ray_session,
         worker_settings,
     )
-    from app.monitor import RunMonitor
+    from app.run_monitor import RunMonitor
     from workers.bench_loop import BenchSettings, bench_loop_per_worker
 
     total = WARMUP_STEPS + steps

@@ -162,7 +162,10 @@ def start_local_ray(num_cpus: float, *, log_to_driver: bool) -> str:
 
     port = free_port()
     address = f"127.0.0.1:{port}"
-    job_env = {"RAY_ADDRESS": address, "GLOO_SOCKET_IFNAME": loopback_interface()}
+    job_env = {"RAY_ADDRESS": address, "GLOO_SOCKET_IFNAME": loopback_interface(),
+               # Ray Train's preemption watcher (an actor per worker group) waits for a node to be drained:
+               # one machine has no other node to move to, and the actor costs ~3 CPU-s per group start.
+               "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
     # RAY_GCS_SERVER_PORT: read by ray.init when it starts the head node.
     startup_env = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     saved = {key: os.environ.get(key) for key in startup_env}
@@ -415,7 +418,7 @@ def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out:
     """
     import ray
 
-    from app.monitor import RunMonitor
+    from app.run_monitor import RunMonitor
 
     data = prepared_data(config, progress=progress, out=out, embedded=embedded, run_dir=run_dir)
     total_steps = _total_steps(config, data.usable_rows)

@@ -2,7 +2,8 @@
 
 Ray Train calls `ProgressCallback.after_report` in its controller once every worker has reported; the
 callback forwards world rank 0's per-step metrics (the report's "history": every step since the last
-report) to a tiny `RunMonitor` actor that the driver polls. Nothing here is on the workers' hot path.
+report) to a tiny `RunMonitor` actor (app/run_monitor.py) that the driver polls. Nothing here is on the
+workers' hot path.
 
 The driver's progress thread hands every new record to its sinks (the run's metrics.jsonl, TensorBoard,
 MLflow) and every new start of the worker group to its start sinks (worker_starts.jsonl), so a run's
@@ -17,33 +18,6 @@ from typing import Any, TextIO
 
 import ray
 from ray.train import UserCallback
-
-
-@ray.remote(num_cpus=0)
-class RunMonitor:
-    """Keeps every reported step's metrics (rank 0's), in order, and every start of the worker group."""
-
-    def __init__(self) -> None:
-        self._history: list[dict[str, Any]] = []
-        self._starts: list[dict[str, Any]] = []
-
-    def group_started(self, session: str, resumed_from_step: int) -> None:
-        """World rank 0 of each start of the worker group, before training (a group may die before its
-        first report, so restarts are counted here, not from the reports)."""
-        self._starts.append({"session": session, "resumed_from_step": resumed_from_step})
-
-    def starts(self) -> list[dict[str, Any]]:
-        return list(self._starts)
-
-    def record(self, steps: list[dict[str, Any]]) -> None:
-        self._history.extend(steps)
-
-    def since(self, index: int) -> list[dict[str, Any]]:
-        return self._history[index:]
-
-    def poll(self, index: int, start_index: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The records from `index` on and the group starts from `start_index` on, in one call."""
-        return self._history[index:], self._starts[start_index:]
 
 
 class ProgressCallback(UserCallback):

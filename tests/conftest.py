@@ -117,20 +117,21 @@ TINY_RUN_STEPS = 6
 
 @pytest.fixture(scope="session")
 def tiny_run(suite_ray: SuiteRay, tmp_path_factory: pytest.TempPathFactory):
-    """One tiny run shared by test_train_e2e, test_export and test_report: (its TrainSummary, MLflow URI).
+    """One tiny run shared by test_train_e2e, test_eval_loss, test_export and test_report: (its
+    TrainSummary, MLflow URI).
 
-    tests/test_train_e2e.py's config (24 samples of ~30 tokens, batches of 8, DP 1 x CP 2, skrull) for
-    TINY_RUN_STEPS = 6 steps (two epochs), logged to a file MLflow store, on the suite's Ray. Each of
-    those modules used to train its own run of this config (2, 4 and 6 steps, ~60 s each on 2 cores).
+    tests/test_train_e2e.py's config (24 samples of ~30 tokens, batches of 8, DP 1 x CP 2, skrull, 40% of the
+    rows held out and evaluated every 2 steps) for TINY_RUN_STEPS = 6 steps, logged to a file MLflow store,
+    on the suite's Ray. Each of those modules used to train its own run (~40-60 s each on 2 cores).
     """
     from app.driver import train
-    from tests.test_train_e2e import _config
+    from tests.test_train_e2e import EVAL, _config
 
     suite_ray.ensure()
     root = tmp_path_factory.mktemp("tiny_run")
     uri = f"file:{root / 'mlruns'}"
     config = _config(root, "skrull", "scheduling.policy=skrull", f"train.steps={TINY_RUN_STEPS}",
-                     f"train.mlflow_uri={uri}")
+                     f"train.mlflow_uri={uri}", *EVAL)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 refuses the file store unless asked
         summary = train(config, progress=False)

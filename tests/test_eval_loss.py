@@ -1,10 +1,11 @@
 """Validation loss: the held-out split (pure), the eval plans (pure), config errors, and one Ray run.
 
-The Ray run (DP 1 x CP 2, skrull, data.eval_fraction=0.4, train.eval_every=2, train.log_every=3) checks
-that held-out samples never train, that eval_loss is reported exactly on the eval steps (2, 4 and the last,
-5: steps 2 and 4 are not log steps, so the eval forced their report), and that the last eval_loss equals
-the Hugging Face model's own loss (standard attention, one unsharded sequence at a time) on the eval set
-with the run's final weights, read back with DeepSpeed's zero_to_fp32.
+The Ray run is the suite's shared tiny run (tests/conftest.py `tiny_run`: DP 1 x CP 2, skrull,
+data.eval_fraction=0.4, train.eval_every=2, train.log_every=3, 6 steps). It checks that held-out samples
+never train, that eval_loss is reported exactly on the eval steps (2, 4 and the last, 6: steps 2 and 4 are
+not log steps, so the eval forced their report), and that the last eval_loss equals the Hugging Face model's
+own loss (standard attention, one unsharded sequence at a time) on the eval set with the run's final
+weights, read back with DeepSpeed's zero_to_fp32.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from app.preflight import check_eval_source
 from scheduling.eval_plan import plan_eval
 from scheduling.holdout import held_out, splitmix64
 from scheduling.payload import Sample
-from tests.run_configs import SMALL_VOCAB
+from tests.conftest import TINY_RUN_STEPS
 
-NUM_SAMPLES = 24
-BATCH = 4
-STEPS = 5
+NUM_SAMPLES = 24  # as the shared run's (tests/test_train_e2e.py)
+BATCH = 4  # the pure and planning tests'; the shared run's global batches hold 8
 FRACTION = 0.4
 
 
@@ -84,7 +84,7 @@ def test_the_eval_plan_covers_every_eval_sample_once_per_rank_group(policy: str)
 def _config(tmp_path: Path, name: str, *overrides: str):
     return load_config("configs/tiny-cpu.yaml", [
         f"run.storage_path={tmp_path}", f"run.name={name}", f"data.num_samples={NUM_SAMPLES}",
-        "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", f"train.steps={STEPS}",
+        "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", "train.steps=5",
         *overrides,
     ])
 
@@ -122,12 +122,11 @@ def test_an_eval_set_without_a_sample_is_an_error(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def eval_run(local_ray, tmp_path_factory):
-    from app.driver import train
-
-    config = _config(tmp_path_factory.mktemp("eval"), "eval", "scheduling.policy=skrull", SMALL_VOCAB,
-                     f"data.eval_fraction={FRACTION}", "train.eval_every=2", "train.log_every=3")
-    summary = train(config, progress=False)
+def eval_run(tiny_run, local_ray):
+    """The shared run: (its config, read back from its snapshot, its summary, its eval rows)."""
+    summary, _ = tiny_run
+    config = load_config(Path(summary.run_dir) / "skrull_config.json")
+    assert config.data.eval_fraction == FRACTION and config.train.eval_every == 2
     return config, summary, _eval_rows(config)
 
 
@@ -148,11 +147,11 @@ def test_held_out_samples_never_train(eval_run) -> None:
     eval_ids = {i for i, _, _ in eval_rows}
     assert len(eval_ids) == int(held_out(np.arange(NUM_SAMPLES), seed=0, fraction=FRACTION).sum()) == 7
     records = [json.loads(line) for line in Path(summary.run_dir, "samples.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in records] == list(range(1, TINY_RUN_STEPS + 1))
     trained = [i for r in records for i in r["sample_ids"]]
     assert not eval_ids & set(trained)
-    # 20 trained samples out of 17 training rows: the whole rest trains (one epoch, then 3 of the next).
-    assert len(trained) == STEPS * BATCH and set(trained) == set(range(NUM_SAMPLES)) - eval_ids
+    # 48 trained samples out of 17 training rows: the whole rest trains (two epochs, then 14 of the next).
+    assert len(trained) == TINY_RUN_STEPS * 8 and set(trained) == set(range(NUM_SAMPLES)) - eval_ids
 
 
 def test_eval_loss_is_reported_on_eval_steps_and_equals_the_hf_models_loss(eval_run) -> None:
@@ -164,13 +163,13 @@ def test_eval_loss_is_reported_on_eval_steps_and_equals_the_hf_models_loss(eval_
 
     config, summary, eval_rows = eval_run
     evals = {h["step"]: h["eval_loss"] for h in summary.history if "eval_loss" in h}
-    assert sorted(evals) == [2, 4, STEPS], summary.history
-    assert [h["step"] for h in summary.history] == list(range(1, STEPS + 1))
+    assert sorted(evals) == [2, 4, TINY_RUN_STEPS], summary.history
+    assert [h["step"] for h in summary.history] == list(range(1, TINY_RUN_STEPS + 1))
 
     spec = dataclasses.asdict(model_spec(config.model, config.train, tokenizer=config.data.tokenizer))
     del spec["attention_backend"]
     model = build_model(**spec, attn_implementation="eager")  # transformers' own attention, unsharded
-    state = get_fp32_state_dict_from_zero_checkpoint(summary.checkpoint, tag=f"step{STEPS}")
+    state = get_fp32_state_dict_from_zero_checkpoint(summary.checkpoint, tag=f"step{TINY_RUN_STEPS}")
     model.load_state_dict(state, strict=True)
     model.eval()
     loss_sum, label_tokens = 0.0, 0
@@ -182,8 +181,8 @@ def test_eval_loss_is_reported_on_eval_steps_and_equals_the_hf_models_loss(eval_
             label_tokens += targets
     # fp32 on both sides; only the summation order differs (chunked CE, ring attention merge): measured
     # 4.5e-8 relative here (2026-11-24).
-    assert evals[STEPS] == pytest.approx(loss_sum / label_tokens, rel=1e-4)
-    assert evals[2] != pytest.approx(evals[STEPS], rel=1e-3)  # each eval sees the weights of its step
+    assert evals[TINY_RUN_STEPS] == pytest.approx(loss_sum / label_tokens, rel=1e-4)
+    assert evals[2] != pytest.approx(evals[TINY_RUN_STEPS], rel=1e-3)  # each eval: the weights of its step
 
 
 def test_an_eval_path_dataset_is_read_apart_and_planned_whole(eval_run, tmp_path: Path) -> None:

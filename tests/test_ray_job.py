@@ -109,7 +109,7 @@ def test_embedded_train_beside_a_running_cluster_is_quiet(ray_head: str, tmp_pat
     env.pop("RAY_ADDRESS", None)
     command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml",
                "--set", f"run.storage_path={tmp_path}", "--set", "run.name=quiet", "--set", "train.steps=2",
-               "--set", "data.num_samples=32", "--set", "data.length_scale=0.1"]
+               "--set", "data.num_samples=32", "--set", "data.length_scale=0.1", "--set", SMALL_VOCAB]
     # Bytes, not text=True: universal newlines would turn tqdm's \r redraws into lines of their own.
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, timeout=600)
     stdout, stderr = result.stdout.decode(), result.stderr.decode()

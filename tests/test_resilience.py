@@ -245,13 +245,13 @@ def test_a_hung_peer_is_recovered_from_the_newest_checkpoint(reference, tmp_path
     assert injector.recovered_after_s[-1] < HUNG_TIMEOUT_S + 90, injector.recovered_after_s
 
 
-def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(local_ray, tmp_path: Path,
-                                                                         capsys) -> None:
-    """SIGINT to a `train` driver process (its own embedded Ray) after step 2; the command it prints runs.
+@pytest.fixture(scope="module")
+def interrupted(local_ray, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """SIGINT to a `train` driver process (its own embedded Ray) after step 2: what it left behind.
 
-    The printed command is run through the CLI's own entry point (app.__main__.main) in this process, on
-    the suite's Ray: a second interpreter and Ray would only repeat ~15 s of start-up.
+    Its resume is the next test's (each of the two runs charged to its own test).
     """
+    tmp_path = tmp_path_factory.mktemp("ctrl_c")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own embedded Ray
     command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml", "--no-progress",
                *(part for o in _overrides(tmp_path, "", "train.checkpoint_every=1") for part in ("--set", o))]
@@ -262,16 +262,32 @@ def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(local_r
         assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
         time.sleep(0.2)
     ray_processes = psutil.Process(driver.pid).children(recursive=True)
-    assert ray_processes, "the embedded Ray started no process"
     driver.send_signal(signal.SIGINT)
     interrupted = time.monotonic()
     _, stderr = driver.communicate(timeout=60)
-    assert time.monotonic() - interrupted < 30 and driver.returncode == 130, stderr.decode()[-3000:]
+    stopped_in_s = time.monotonic() - interrupted
     _, alive = psutil.wait_procs(ray_processes, timeout=10)
-    assert not alive, [p.cmdline()[:3] for p in alive]
+    left_alive = []
+    for process in alive:
+        left_alive.append(" ".join(process.cmdline()[:3]) if process.is_running() else str(process.pid))
+        process.kill()
+    return {"returncode": driver.returncode, "stderr": stderr.decode(), "stopped_in_s": stopped_in_s,
+            "ray_processes": len(ray_processes), "left_alive": left_alive}
 
-    resume = shlex.split(stderr.decode().split("Resume with:")[1].strip().splitlines()[0])
+
+def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(interrupted) -> None:
+    assert interrupted["ray_processes"], "the embedded Ray started no process"
+    stderr = interrupted["stderr"]
+    assert interrupted["stopped_in_s"] < 30 and interrupted["returncode"] == 130, stderr[-3000:]
+    assert not interrupted["left_alive"], interrupted["left_alive"]
+    resume = shlex.split(interrupted["stderr"].split("Resume with:")[1].strip().splitlines()[0])
     assert resume[:4] == ["python", "-m", "app", "train"]
+
+
+def test_the_command_printed_on_ctrl_c_resumes_the_run_to_its_end(interrupted, capsys) -> None:
+    """The printed command, run through the CLI's own entry point (app.__main__.main) in this process, on
+    the suite's Ray: a second interpreter and Ray would only repeat ~15 s of start-up."""
+    resume = shlex.split(interrupted["stderr"].split("Resume with:")[1].strip().splitlines()[0])
     capsys.readouterr()
     assert main([*resume[3:], "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -236,9 +236,19 @@ def _synth_parquet(out: Path, n: int) -> None:
 
 
 # -- a training run on the store ---------------------------------------------------------------------------
+def _run_config(s3: S3Server, steps: int):
+    return load_config("configs/tiny-cpu.yaml", [
+        f"run.storage_path={s3.uri('runs')}", "run.name=s3run", "data.source=path",
+        f"data.path={s3.uri('data/x.parquet')}", f"scheduling.global_batch_size={BATCH}",
+        f"train.steps={steps}", "train.checkpoint_every=2", "train.keep_checkpoints=0", SMALL_VOCAB])
+
+
 @pytest.fixture(scope="module")
 def runs(s3: S3Server, local_ray, tmp_path_factory) -> dict[str, object]:
-    """Train 2 steps (a checkpoint at 2) on S3 data into S3, then resume the same run.name to 4 steps."""
+    """Train 2 steps (a checkpoint at 2) on S3 data into S3; test_rerunning_the_name_resumes_... resumes it.
+
+    The resumed call runs in that test, not here: each of the two Ray runs is charged to its own test.
+    """
     from pyarrow import fs
 
     from app.driver import train
@@ -248,18 +258,9 @@ def runs(s3: S3Server, local_ray, tmp_path_factory) -> dict[str, object]:
     fs.copy_files(str(data / "part-00000.parquet"), f"{BUCKET}/data/x.parquet",
                   source_filesystem=fs.LocalFileSystem(),
                   destination_filesystem=Location.of(s3.uri("data")).filesystem)
-
-    def config(steps: int):
-        return load_config("configs/tiny-cpu.yaml", [
-            f"run.storage_path={s3.uri('runs')}", "run.name=s3run", "data.source=path",
-            f"data.path={s3.uri('data/x.parquet')}", f"scheduling.global_batch_size={BATCH}",
-            f"train.steps={steps}", "train.checkpoint_every=2", "train.keep_checkpoints=0", SMALL_VOCAB])
-
-    first = train(config(2), progress=False, quiet=True)
-    after_first = s3.keys("runs/s3run/")
-    first_log = s3.text("runs/s3run/logs/driver.log")
-    resumed = train(config(4), progress=False, quiet=True)
-    return {"first": first, "after_first": after_first, "first_log": first_log, "resumed": resumed}
+    first = train(_run_config(s3, 2), progress=False, quiet=True)
+    return {"first": first, "after_first": s3.keys("runs/s3run/"),
+            "first_log": s3.text("runs/s3run/logs/driver.log")}
 
 
 def test_a_run_on_s3_writes_its_checkpoints_samples_and_config_to_the_bucket(s3: S3Server, runs) -> None:
@@ -281,7 +282,9 @@ def test_a_run_on_s3_writes_its_checkpoints_samples_and_config_to_the_bucket(s3:
 
 
 def test_rerunning_the_name_resumes_from_the_buckets_checkpoint(s3: S3Server, runs) -> None:
-    resumed = runs["resumed"]
+    from app.driver import train
+
+    resumed = train(_run_config(s3, 4), progress=False, quiet=True)
     assert resumed.resumed_from_step == 2 and [h["step"] for h in resumed.history] == [3, 4]
     # 4 steps x 8 samples = two epochs of 16, written by world rank 0 through S3 across both calls:
     # every sample id exactly once per epoch, every step once.

@@ -1,24 +1,33 @@
 """End to end on an embedded Ray (CPU, gloo): Ray Data -> planner actor -> Ray Train + DeepSpeed workers.
 
 The runs are tiny (8 sequences of ~30 tokens a step, random-init tiny Qwen2 with the real Qwen vocabulary)
-so that each Ray Train run takes well under a minute on 2 cores.
+so that each Ray Train run takes well under a minute on 2 cores. They hold 40% of the rows out for the
+validation loss (EVAL): tests/test_eval_loss.py checks that on the same shared run.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
 
 from app.config import ConfigError, load_config  # noqa: E402
 from app.driver import train  # noqa: E402
+from scheduling.holdout import held_out  # noqa: E402
 
 NUM_SAMPLES = 24
 BATCH = 8
+EVAL_FRACTION = 0.4
+EVAL = (f"data.eval_fraction={EVAL_FRACTION}", "train.eval_every=2", "train.log_every=3")
+"""The shared run's eval set: evaluated on steps 2, 4 and 6, metrics reduced on steps 3 and 6."""
+TRAIN_IDS = sorted(set(range(NUM_SAMPLES)) - set(np.flatnonzero(held_out(np.arange(NUM_SAMPLES), seed=0,
+                                                                          fraction=EVAL_FRACTION)).tolist()))
+"""The 17 sample ids that train (every row of this data is usable, so ids are stream positions)."""
 METRICS = {"loss", "tokens_per_s", "step_s", "planner_wait_s", "plan_ms", "compute_imbalance", "grad_norm",
            "planner_ahead_steps"}
 
@@ -30,31 +39,36 @@ def _config(tmp_path: Path, name: str, *overrides: str):
     ])
 
 
-def _samples_by_epoch(run_dir: str) -> dict[int, list[int]]:
-    by_epoch: dict[int, list[int]] = defaultdict(list)
-    for line in Path(run_dir, "samples.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        assert set(record) == {"step", "epoch", "dp_rank", "sample_ids"}
-        by_epoch[record["epoch"]].extend(record["sample_ids"])
-    return by_epoch
+def _sample_ids_by_step(run_dir: str) -> list[list[int]]:
+    records = [json.loads(line) for line in Path(run_dir, "samples.jsonl").read_text().splitlines()]
+    assert all(set(record) == {"step", "epoch", "dp_rank", "sample_ids"} for record in records)
+    assert [record["step"] for record in records] == list(range(1, len(records) + 1))  # DP 1: one line a step
+    return [record["sample_ids"] for record in records]
 
 
 def test_dp1_cp2_trains_and_static_cp_gives_the_same_losses(tiny_run, local_ray, tmp_path: Path) -> None:
     skrull, _ = tiny_run  # this config with scheduling.policy=skrull, 6 steps (tests/conftest.py)
     assert skrull.steps == 6 and skrull.samples == 6 * BATCH
     assert skrull.loss_last < skrull.loss_first - 0.5, skrull.losses
-    # 6 steps x 8 samples = two epochs of 24: every sample id exactly once in each epoch.
-    by_epoch = _samples_by_epoch(skrull.run_dir)
-    assert sorted(by_epoch) == [0, 1]
-    for ids in by_epoch.values():
-        assert sorted(ids) == list(range(NUM_SAMPLES))
+    # 6 steps x 8 samples = 48 draws from the 17 training rows: two whole epochs, then 14 rows of the third.
+    # A global batch may straddle two epochs (the planner reorders within it), so: every training id is
+    # drawn 2 or 3 times (14 of them 3 times), never twice in a step, and steps 1-2 plus one id of step 3
+    # are the whole first epoch.
+    steps = _sample_ids_by_step(skrull.run_dir)
+    counts = Counter(i for ids in steps for i in ids)
+    assert len(TRAIN_IDS) == 17 and sorted(counts) == TRAIN_IDS
+    assert sorted(Counter(counts.values()).items()) == [(2, 3), (3, 14)]
+    assert all(len(set(ids)) == len(ids) == BATCH for ids in steps)
+    first_two = set(steps[0] + steps[1])
+    rest_of_epoch_0 = set(TRAIN_IDS) - first_two
+    assert len(first_two) == 16 and len(rest_of_epoch_0) == 1 and rest_of_epoch_0 <= set(steps[2])
     assert skrull.checkpoint and Path(skrull.checkpoint).is_dir()
     for metrics in skrull.history:  # what a user's dashboard reads from ray.train.report
         assert set(metrics) >= METRICS, METRICS - set(metrics)
         assert metrics["compute_imbalance"] >= 1 and metrics["planner_ahead_steps"] >= 0
     _check_tensorboard(Path(skrull.run_dir), skrull.history)
 
-    static = train(_config(tmp_path, "static", "scheduling.policy=static_cp"), progress=False)
+    static = train(_config(tmp_path, "static", "scheduling.policy=static_cp", *EVAL), progress=False)
     # Scheduling changes which rank computes what, never the math of a global batch: fp32 losses agree up
     # to summation order (~1e-7 relative per step), which Adam's normalized updates keep far below 1e-4.
     assert static.losses == pytest.approx(skrull.losses, rel=1e-4)

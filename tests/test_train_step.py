@@ -83,14 +83,15 @@ def _reference_grads() -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, cases: dict) -> None:
-    import deepspeed
     import torch.distributed as dist
 
     from scheduling.payload import spare_payload
     from workers.distributed import ParallelGroups
+    from workers.engine import import_deepspeed
     from workers.models import build_model
     from workers.step import run_step
 
+    deepspeed = import_deepspeed()  # as a train worker imports it
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)

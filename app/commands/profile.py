@@ -126,9 +126,9 @@ def measure(config: Any, args: argparse.Namespace) -> tuple[dict, list[Any]]:
     from app.console import captured_output
     from app.driver import make_trainer, on_this_node, ray_session
     from app.hardware import cost_model
-    from app.monitor import RunMonitor
     from app.preflight import check_cluster_fits
     from app.profile_steps import planned_steps
+    from app.run_monitor import RunMonitor
     from workers.tools.profile_run import profile_loop_per_worker
 
     world = _world_size(config)

@@ -1,9 +1,9 @@
 """The Ray Data pipeline of a run: read (or synthesize) -> tokenize, in a deterministic row order.
 
     data.source=path        read_parquet(files) | read_text(jsonl files) | from_huggingface(load_from_disk)
-    data.source=synthetic   range(data.num_samples) -> map_batches(SynthesizeBatch)
-                 \\-> map_batches(TokenizeBatch, ActorPoolStrategy(size=1), num_cpus=resources.data_cpus)
-                 -> rows {input_ids, labels, num_tokens, raw_tokens, label_tokens, status}
+                            -> map_batches(TokenizeBatch, ActorPoolStrategy(size=1), resources.data_cpus)
+    data.source=synthetic   range(data.num_samples) -> map_batches(synthesize_and_tokenize), one task
+    both                    -> rows {input_ids, labels, num_tokens, raw_tokens, label_tokens, status}
 
 The planner numbers samples by their position in this stream and resumes by skipping a count, so the
 pipeline sets `DataContext.preserve_order = True` and reads files in sorted order. Everything that can be
@@ -20,7 +20,7 @@ import numpy as np
 
 from app.config import DataConfig
 from app.data import DataError
-from app.data.ray_ops import SynthesizeBatch, TokenizeBatch
+from app.data.ray_ops import TokenizeBatch, synthesize_and_tokenize
 from app.data.readers import load_hf_dataset, resolve_source
 from app.data.template import TemplateSettings
 from app.data.tokenizer import load_tokenizer
@@ -78,34 +78,37 @@ def tokenized_dataset(data: DataConfig, *, max_length: int, num_cpus: float) -> 
     if data.chat_template or data.source == "synthetic":
         tok.require_chat_ids()
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    source, json_lines = _source_dataset(data, num_cpus)
+    settings = template_settings(data, max_length)
+    if data.source == "synthetic":
+        return _synthetic_dataset(data, settings, num_cpus)
+    source, json_lines = _source_dataset(data)
     return source.map_batches(
         TokenizeBatch,
-        fn_constructor_kwargs={"tokenizer": data.tokenizer, "settings": template_settings(data, max_length),
-                               "json_lines": json_lines},
+        fn_constructor_kwargs={"tokenizer": data.tokenizer, "settings": settings, "json_lines": json_lines},
         batch_size=data.tokenize_batch_size, batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=1), num_cpus=num_cpus,
     )
 
 
-def _source_dataset(data: DataConfig, num_cpus: float) -> tuple[Any, bool]:
-    """(rows dataset, whether its `text` column holds raw JSONL lines)."""
+def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: float) -> Any:
+    """range(data.num_samples) -> synthesized and tokenized rows: one task at a time, fused with the read."""
     import ray.data
 
-    if data.source == "synthetic":
-        if data.num_samples < 1:
-            raise DataError(f"data.num_samples={data.num_samples}: the synthetic source needs >= 1 sample")
-        # One block per ~4k ids: Ray Data would otherwise start one 1-CPU read task per few rows.
-        blocks = max(1, data.num_samples // 4096)
-        rows = ray.data.range(data.num_samples, override_num_blocks=blocks).map_batches(
-            SynthesizeBatch,
-            fn_constructor_kwargs={"tokenizer": data.tokenizer, "distribution": data.distribution,
-                                   "num_samples": data.num_samples, "seed": data.seed,
-                                   "length_scale": data.length_scale},
-            batch_size=data.tokenize_batch_size, batch_format="pyarrow",
-            compute=ray.data.ActorPoolStrategy(size=1), num_cpus=num_cpus,
-        )
-        return rows, False
+    if data.num_samples < 1:
+        raise DataError(f"data.num_samples={data.num_samples}: the synthetic source needs >= 1 sample")
+    # One block per ~4k ids: Ray Data would otherwise start one 1-CPU read task per few rows.
+    blocks = max(1, data.num_samples // 4096)
+    synthesize = (data.tokenizer, data.distribution, data.num_samples, data.seed, data.length_scale)
+    return ray.data.range(data.num_samples, override_num_blocks=blocks).map_batches(
+        synthesize_and_tokenize, fn_kwargs={"synthesize": synthesize, "tokenize": (data.tokenizer, settings)},
+        batch_size=data.tokenize_batch_size, batch_format="pyarrow", concurrency=1, num_cpus=num_cpus,
+    )
+
+
+def _source_dataset(data: DataConfig) -> tuple[Any, bool]:
+    """(rows dataset of data.path, whether its `text` column holds raw JSONL lines)."""
+    import ray.data
+
     source = resolve_source(data)
     if source.format == "parquet":
         return ray.data.read_parquet(list(source.files), filesystem=source.filesystem).select_columns(

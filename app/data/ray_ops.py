@@ -1,6 +1,7 @@
 """The callable classes Ray Data runs in `map_batches` (one actor each; the tokenizer loads once per actor).
 
     ray.data.range(n) --SynthesizeBatch--> {sample_id, messages}          (data.source: synthetic)
+        (the synthetic source runs both in one task, fused with the read: synthesize_and_tokenize)
     read_parquet / read_text / from_huggingface --> {messages | text | json_line rows}
         --TokenizeBatch--> {input_ids list<int32>, labels list<int32>, num_tokens, raw_tokens, label_tokens,
                             status}
@@ -12,6 +13,7 @@ are plain classes that Ray instantiates inside its actors.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -73,6 +75,25 @@ class TokenizeBatch:
         values = [batch.column(name).to_pylist() for name in present]
         return [dict(zip(present, row, strict=True)) for row in zip(*values, strict=True)] if present \
             else [{} for _ in range(batch.num_rows)]
+
+
+def synthesize_and_tokenize(batch: pa.Table, synthesize: tuple[Any, ...],
+                            tokenize: tuple[Any, ...]) -> pa.Table:
+    """SynthesizeBatch, then TokenizeBatch: the synthetic source as one function, so that Ray Data fuses it
+    with `ray.data.range`'s read into one task (an actor-pool map would be a process of its own beside the
+    read task). The two callables are built once per worker process (their constructors load the tokenizer
+    and draw every target length), keyed by their arguments."""
+    return _tokenizer_of(*tokenize)(_synthesizer_of(*synthesize)(batch))
+
+
+@functools.lru_cache(maxsize=4)
+def _synthesizer_of(*args: Any) -> SynthesizeBatch:
+    return SynthesizeBatch(*args)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_of(*args: Any) -> TokenizeBatch:
+    return TokenizeBatch(*args)
 
 
 def int32_lists(arrays: list[np.ndarray]) -> pa.ListArray:

@@ -226,7 +226,7 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
 
 def profile_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """`profile_rank` in a Ray Train worker (the torch backend made the world group); every rank reports,
-    and world rank 0's rows reach the driver as the one record of app/monitor.py's RunMonitor."""
+    and world rank 0's rows reach the driver as the one record of app/run_monitor.py's RunMonitor."""
     import ray.train
 
     context = ray.train.get_context()
