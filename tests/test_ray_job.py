@@ -87,6 +87,7 @@ def test_ray_job_submit_trains_the_tiny_config(ray_head: str, auth_env: dict[str
         "--set", f"run.storage_path={tmp_path}", "--set", "run.name=job", "--set", "train.steps=3",
         "--set", "data.num_samples=24", "--set", "data.length_scale=0.1",
         "--set", "scheduling.global_batch_size=8", "--set", SMALL_VOCAB,
+        "--set", "parallel.cp_size=1", "--set", "parallel.num_workers=1",  # what is tested: the job, not CP
     ]
     env = dict(os.environ, **auth_env)
     env.pop("RAY_ADDRESS", None)
@@ -109,7 +110,8 @@ def test_embedded_train_beside_a_running_cluster_is_quiet(ray_head: str, tmp_pat
     env.pop("RAY_ADDRESS", None)
     command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml",
                "--set", f"run.storage_path={tmp_path}", "--set", "run.name=quiet", "--set", "train.steps=2",
-               "--set", "data.num_samples=32", "--set", "data.length_scale=0.1", "--set", SMALL_VOCAB]
+               "--set", "data.num_samples=32", "--set", "data.length_scale=0.1", "--set", SMALL_VOCAB,
+               "--set", "parallel.cp_size=1", "--set", "parallel.num_workers=1"]  # its output, not CP
     # Bytes, not text=True: universal newlines would turn tqdm's \r redraws into lines of their own.
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, timeout=600)
     stdout, stderr = result.stdout.decode(), result.stderr.decode()

@@ -46,7 +46,9 @@ def _sample_ids_by_step(run_dir: str) -> list[list[int]]:
     return [record["sample_ids"] for record in records]
 
 
-def test_dp1_cp2_trains_and_static_cp_gives_the_same_losses(tiny_run, local_ray, tmp_path: Path) -> None:
+def test_dp1_cp2_trains_every_sample_and_reports_its_metrics(tiny_run) -> None:
+    """The shared run. That another policy (static_cp, every sequence sharded) gives the same losses on the
+    same global batches is tests/test_bench_train.py's: one engine per policy from the same weights."""
     skrull, _ = tiny_run  # this config with scheduling.policy=skrull, 6 steps (tests/conftest.py)
     assert skrull.steps == 6 and skrull.samples == 6 * BATCH
     assert skrull.loss_last < skrull.loss_first - 0.5, skrull.losses
@@ -67,11 +69,6 @@ def test_dp1_cp2_trains_and_static_cp_gives_the_same_losses(tiny_run, local_ray,
         assert set(metrics) >= METRICS, METRICS - set(metrics)
         assert metrics["compute_imbalance"] >= 1 and metrics["planner_ahead_steps"] >= 0
     _check_tensorboard(Path(skrull.run_dir), skrull.history)
-
-    static = train(_config(tmp_path, "static", "scheduling.policy=static_cp", *EVAL), progress=False)
-    # Scheduling changes which rank computes what, never the math of a global batch: fp32 losses agree up
-    # to summation order (~1e-7 relative per step), which Adam's normalized updates keep far below 1e-4.
-    assert static.losses == pytest.approx(skrull.losses, rel=1e-4)
 
 
 def _check_tensorboard(run_dir: Path, history: list[dict]) -> None:

@@ -1,9 +1,12 @@
 """The Ray Data pipeline of a run: read (or synthesize) -> tokenize, in a deterministic row order.
 
     data.source=path        read_parquet(files) | read_text(jsonl files) | from_huggingface(load_from_disk)
-                            -> map_batches(TokenizeBatch, ActorPoolStrategy(size=1), resources.data_cpus)
-    data.source=synthetic   range(data.num_samples) -> map_batches(synthesize_and_tokenize), one task
+                            -> map_batches(tokenize)
+    data.source=synthetic   range(data.num_samples) -> map_batches(synthesize_and_tokenize)
     both                    -> rows {input_ids, labels, num_tokens, raw_tokens, label_tokens, status}
+
+Each map is one task at a time (`TaskPoolStrategy(size=1)`, resources.data_cpus each), which Ray Data fuses
+with the read into one task (app/data/ray_ops.py says why not an actor).
 
 The planner numbers samples by their position in this stream and resumes by skipping a count, so the
 pipeline sets `DataContext.preserve_order = True` and reads files in sorted order. Everything that can be
@@ -20,7 +23,7 @@ import numpy as np
 
 from app.config import DataConfig
 from app.data import DataError
-from app.data.ray_ops import TokenizeBatch, synthesize_and_tokenize
+from app.data.ray_ops import synthesize_and_tokenize, tokenize
 from app.data.readers import load_hf_dataset, resolve_source
 from app.data.template import TemplateSettings
 from app.data.tokenizer import load_tokenizer
@@ -83,15 +86,14 @@ def tokenized_dataset(data: DataConfig, *, max_length: int, num_cpus: float) -> 
         return _synthetic_dataset(data, settings, num_cpus)
     source, json_lines = _source_dataset(data)
     return source.map_batches(
-        TokenizeBatch,
-        fn_constructor_kwargs={"tokenizer": data.tokenizer, "settings": settings, "json_lines": json_lines},
+        tokenize, fn_kwargs={"tokenize": (data.tokenizer, settings, json_lines)},
         batch_size=data.tokenize_batch_size, batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=1), num_cpus=num_cpus,
+        compute=ray.data.TaskPoolStrategy(size=1), num_cpus=num_cpus,
     )
 
 
 def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: float) -> Any:
-    """range(data.num_samples) -> synthesized and tokenized rows: one task at a time, fused with the read."""
+    """range(data.num_samples) -> synthesized and tokenized rows."""
     import ray.data
 
     if data.num_samples < 1:
@@ -101,7 +103,8 @@ def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: f
     synthesize = (data.tokenizer, data.distribution, data.num_samples, data.seed, data.length_scale)
     return ray.data.range(data.num_samples, override_num_blocks=blocks).map_batches(
         synthesize_and_tokenize, fn_kwargs={"synthesize": synthesize, "tokenize": (data.tokenizer, settings)},
-        batch_size=data.tokenize_batch_size, batch_format="pyarrow", concurrency=1, num_cpus=num_cpus,
+        batch_size=data.tokenize_batch_size, batch_format="pyarrow",
+        compute=ray.data.TaskPoolStrategy(size=1), num_cpus=num_cpus,
     )
 
 

@@ -1,14 +1,16 @@
-"""The callable classes Ray Data runs in `map_batches` (one actor each; the tokenizer loads once per actor).
+"""The functions Ray Data runs in `map_batches`, and the classes behind them.
 
     ray.data.range(n) --SynthesizeBatch--> {sample_id, messages}          (data.source: synthetic)
-        (the synthetic source runs both in one task, fused with the read: synthesize_and_tokenize)
     read_parquet / read_text / from_huggingface --> {messages | text | json_line rows}
         --TokenizeBatch--> {input_ids list<int32>, labels list<int32>, num_tokens, raw_tokens, label_tokens,
                             status}
 
-Both take and return pyarrow Tables (`batch_format="pyarrow"`); the token columns are built as Arrow list
-arrays from one flat int32 buffer plus offsets, not from per-row Python lists. Neither imports Ray: they
-are plain classes that Ray instantiates inside its actors.
+`tokenize` and `synthesize_and_tokenize` are plain functions, so Ray Data runs them as tasks fused with the
+read into one task (an actor-pool map would be a process of its own beside the read task, ~2-4 s of CPU to
+start); each builds its classes once per worker process (the constructors load the tokenizer), keyed by
+their arguments (fixed for a job, whose task workers Ray reuses). Both take and return pyarrow Tables
+(`batch_format="pyarrow"`); the token columns are built as Arrow list arrays from one flat int32 buffer
+plus offsets, not from per-row Python lists. Nothing here imports Ray.
 """
 
 from __future__ import annotations
@@ -77,12 +79,14 @@ class TokenizeBatch:
             else [{} for _ in range(batch.num_rows)]
 
 
+def tokenize(batch: pa.Table, tokenize: tuple[Any, ...]) -> pa.Table:
+    """TokenizeBatch(*tokenize)(batch): rows of data.path -> tokenized rows."""
+    return _tokenizer_of(*tokenize)(batch)
+
+
 def synthesize_and_tokenize(batch: pa.Table, synthesize: tuple[Any, ...],
                             tokenize: tuple[Any, ...]) -> pa.Table:
-    """SynthesizeBatch, then TokenizeBatch: the synthetic source as one function, so that Ray Data fuses it
-    with `ray.data.range`'s read into one task (an actor-pool map would be a process of its own beside the
-    read task). The two callables are built once per worker process (their constructors load the tokenizer
-    and draw every target length), keyed by their arguments."""
+    """SynthesizeBatch(*synthesize), then TokenizeBatch(*tokenize): the synthetic source in one task."""
     return _tokenizer_of(*tokenize)(_synthesizer_of(*synthesize)(batch))
 
 
