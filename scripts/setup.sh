@@ -48,15 +48,7 @@ elif ! "$VPY" -c 'import torch' 2>/dev/null; then
   # The CPU wheel (local find-links on our machines; PyTorch's CPU index elsewhere via PIP_EXTRA_INDEX_URL).
   "$VPY" -m pip install -q torch==2.13.0
 fi
-# The project's requirements with uv when it installs (its resolver and installer: ~11 s instead of pip's
-# ~100 s on 2 cores, the same versions, measured 2026-11-25), else pip. uv keeps the torch installed above
-# (it satisfies every requirement) but reads no pip.conf: SKRULL_INSTALLER=pip uses pip's index settings.
-if [ "${SKRULL_INSTALLER:-uv}" = uv ] && "$VPY" -m pip install -q uv \
-    && .venv/bin/uv pip install -q --python "$VPY" -e ".[$EXTRAS]"; then
-  :
-else
-  "$VPY" -m pip install -q -e ".[$EXTRAS]"
-fi
+"$VPY" -m pip install -q -e ".[$EXTRAS]"
 if [ "${SKRULL_FLASH_ATTN:-0}" = 1 ]; then
   "$VPY" -m pip install -q ninja packaging
   MAX_JOBS=${MAX_JOBS:-4} "$VPY" -m pip install --no-build-isolation "flash-attn>=2.7,<2.9"
