@@ -5,13 +5,12 @@ DeepSpeed builds the optimizer the same way on every accelerator up to the op it
 loads `FusedAdamBuilder().load()` in its constructor (a JIT compile with nvcc on CUDA, with g++ on CPU).
 So the engine is built here on CPU (gloo, one rank) from the JSON generated for a GPU run, with every op
 build refused and recorded: which optimizer class a GPU worker gets, and that it needs no compiler. The
-CPU accelerator's shared-memory comm op is left out of the refusal (DeepSpeed's CUDA accelerator has no
-such builder, so a GPU worker never loads it).
+CPU accelerator's shared-memory comm op is refused too: workers/engine.py marks it off, since training
+never calls it (DeepSpeed's CUDA accelerator has no such op).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
@@ -55,7 +54,6 @@ def _refuse_op_builds() -> list[str]:
 
     OpBuilder.load = refuse
     OpBuilder.jit_load = refuse
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # CPU accelerator only
     return refused
 
 

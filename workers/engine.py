@@ -137,7 +137,7 @@ class ZeroGroups:
 def use_extensions_cache_per_environment() -> str:
     """Point TORCH_EXTENSIONS_DIR at this Python environment's own directory unless it is set; returns it.
 
-    DeepSpeed JIT-builds its ops (on CPU the shm comm op, `deepspeed_shm_comm`, in every worker) into
+    DeepSpeed JIT-builds its ops (none in a run since skip_cpu_shm_comm_op; a user's config may ask) into
     torch's extensions cache, ~/.cache/torch_extensions/<python>_<device>/<op>, keyed by op name only,
     while the cached build.ninja holds the environment's paths. Two virtualenvs on one machine (a second
     checkout, a CI clone beside a working tree) therefore rebuild the op on every switch: 40-70 s of g++ on
@@ -157,17 +157,33 @@ def import_deepspeed() -> Any:
     ImportError (a None entry in sys.modules), which DeepSpeed catches; the entry is removed afterwards,
     so mlflow imports normally later in the process.
     """
-    if "deepspeed" in sys.modules:
-        return sys.modules["deepspeed"]
-    blocked = "mlflow" not in sys.modules
-    if blocked:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]
-    try:
-        import deepspeed
-    finally:
-        if blocked and sys.modules.get("mlflow", 0) is None:
-            del sys.modules["mlflow"]
-    return deepspeed
+    if "deepspeed" not in sys.modules:
+        blocked = "mlflow" not in sys.modules
+        if blocked:
+            sys.modules["mlflow"] = None  # type: ignore[assignment]
+        try:
+            import deepspeed  # noqa: F401
+        finally:
+            if blocked and sys.modules.get("mlflow", 0) is None:
+                del sys.modules["mlflow"]
+    skip_cpu_shm_comm_op()
+    return sys.modules["deepspeed"]
+
+
+def skip_cpu_shm_comm_op() -> None:
+    """Keep DeepSpeed's CPU accelerator from JIT-building its shared-memory all-reduce op.
+
+    When DeepSpeed's comm backend starts on the CPU accelerator it builds `deepspeed_shm_comm` with g++
+    (40-70 s with both cores of a 2-core machine, once per environment and cache: the first step of every
+    new CPU setup waited for it, CI included; measured 2026-11-25) for `inference_all_reduce` alone, which
+    training never calls: ZeRO's collectives go through torch.distributed. DeepSpeed builds it only if
+    `deepspeed.ops.__compatible_ops__` marks it compatible (deepspeed/comm/torch.py `build_shm_op`), and
+    that dict is DeepSpeed's per-process record of which ops may be built, so the op is marked off there.
+    CUDA's accelerator has no such op: a GPU worker is unaffected.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.device, seed: int,

@@ -38,7 +38,7 @@ from scheduling.payload import Cursor, RankPayload
 from workers.checkpoint_files import save_checkpoint
 from workers.checkpoints import (
     CheckpointState,
-    convert_to_universal,
+    converting_to_universal,
     cut_samples,
     resume_point,
     universal_dir,
@@ -192,12 +192,13 @@ def _engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, check
                                    load_module_strict=not settings.model.frozen_base)
         return engine
     target = universal_dir(checkpoint.path, resume)
-    if local_rank == 0:  # one conversion per node; the others wait at the barrier
-        with checkpoint.as_directory() as directory:
-            convert_to_universal(directory, resume, target)
-    dist.barrier(group=groups.world_group)
     universal: DeepSpeedConfig = {**settings.deepspeed, "checkpoint": {"load_universal": True}}
-    engine = build_engine(settings.model, universal, device, settings.seed, zero)
+    if local_rank == 0:  # one conversion per node, beside this rank's engine build; all wait at the barrier
+        with checkpoint.as_directory() as directory, converting_to_universal(directory, resume, target):
+            engine = build_engine(settings.model, universal, device, settings.seed, zero)
+    else:
+        engine = build_engine(settings.model, universal, device, settings.seed, zero)
+    dist.barrier(group=groups.world_group)
     engine.load_checkpoint(str(target), tag=f"{resume.tag}_universal")
     dist.barrier(group=groups.world_group)
     if local_rank == 0:
