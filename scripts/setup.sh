@@ -48,7 +48,17 @@ elif ! "$VPY" -c 'import torch' 2>/dev/null; then
   # The CPU wheel (local find-links on our machines; PyTorch's CPU index elsewhere via PIP_EXTRA_INDEX_URL).
   "$VPY" -m pip install -q torch==2.13.0
 fi
-"$VPY" -m pip install -q -e ".[$EXTRAS]"
+# The project's requirements with uv when it installs (its resolver and parallel installer: 42 s instead of
+# pip's 108 s on 2 cores, the same versions, measured 2026-11-25), else pip. --compile-bytecode: pip writes
+# .pyc files at install time and uv does not by default; without them every Ray worker process compiles its
+# imports again (the suite took 41 instead of 23 minutes). uv keeps the torch installed above (it satisfies
+# every requirement) but reads no pip.conf: SKRULL_INSTALLER=pip uses pip's own index settings.
+if [ "${SKRULL_INSTALLER:-uv}" = uv ] && "$VPY" -m pip install -q uv \
+    && .venv/bin/uv pip install -q --python "$VPY" --compile-bytecode -e ".[$EXTRAS]"; then
+  :
+else
+  "$VPY" -m pip install -q -e ".[$EXTRAS]"
+fi
 if [ "${SKRULL_FLASH_ATTN:-0}" = 1 ]; then
   "$VPY" -m pip install -q ninja packaging
   MAX_JOBS=${MAX_JOBS:-4} "$VPY" -m pip install --no-build-isolation "flash-attn>=2.7,<2.9"

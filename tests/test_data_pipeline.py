@@ -91,13 +91,15 @@ def test_truncation_counts_match_the_template(local_ray, formats, side: str, lim
     rows, paths = formats
     settings = ("data.source=path", f"data.path={paths['hf']}", f"data.max_length={limit}",
                 "data.too_long=truncate", f"data.truncate_side={side}")
-    got = tokenized(config(*settings)).take_all()
+    cfg = config(*settings)
+    dataset = tokenized(cfg).materialize()  # as the driver does: one tokenization feeds rows and scan
+    got = dataset.take_all()
     ref = tokenize_rows(rows, load_tokenizer("qwen"), TemplateSettings(max_length=limit, too_long="truncate",
                                                                        truncate_side=side))
     assert [r["status"] for r in got] == ref.status
     assert [r["label_tokens"] for r in got] == ref.label_tokens
     assert all(r["label_tokens"] >= 1 for r in got if r["status"] in ("ok", "truncated"))
-    result = scan(config(*settings))
+    result = scan_dataset(dataset, cfg.data, max_length=cfg.max_sequence_length)
     assert result.counts["truncated_empty"] == ref.status.count("truncated_empty")
     assert result.label_tokens == sum(ref.label_tokens)
     if side == "right":  # the first 12 or 40 tokens of these chats are mostly prompt

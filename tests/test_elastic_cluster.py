@@ -1,9 +1,11 @@
 """Elastic training on a real multi-node Ray cluster on one machine (`ray.cluster_utils.Cluster`).
 
-A head node (driver, Ray Data, planner) and two worker nodes that each declare one `train_slot`, so each
-holds exactly one train worker. With `parallel.num_workers: [1, 2]`, removing a worker node mid-run must
-continue on the other from the newest checkpoint, re-planned for DP=1; adding a node back must grow the group
-to DP=2 again (Ray Train's resize monitor), and samples.jsonl must stay exact throughout.
+A head node (driver, Ray Data, planner) and worker nodes that each declare one `train_slot`, so each holds
+exactly one train worker. With `parallel.num_workers: [1, 2]`, removing a worker node mid-run must continue
+on the other from the newest checkpoint, re-planned for DP=1; adding a node to a DP=1 run must grow the
+group to DP=2 (Ray Train's resize monitor), re-planned from its newest checkpoint; samples.jsonl must stay
+exact throughout. Shrinking and growing are one run each: one run doing both took ~90 s on 2 cores, the
+slowest test of the suite, and each scenario needs only its own restart.
 """
 
 from __future__ import annotations
@@ -25,9 +27,8 @@ from app.config import load_config  # noqa: E402
 from app.driver import TrainSummary, train  # noqa: E402
 from tests.run_configs import SMALL_VOCAB  # noqa: E402
 
-# 20 steps of 8 = four whole epochs of 40. The DP=1 group is held at its next step while the node comes back
-# (see _hold_the_planner), so the count need not outlast the ~18 s from add_node to a grown group.
-NUM_SAMPLES, BATCH, STEPS = 40, 8, 20
+# 15 steps of 8 = three whole epochs of 40: the run outlasts a node change at step 2-3 by a dozen steps.
+NUM_SAMPLES, BATCH, STEPS = 40, 8, 15
 SLOT = {"train_slot": 1}
 
 
@@ -37,11 +38,12 @@ def cluster(suite_ray) -> Iterator[object]:
 
     suite_ray.stop()  # this process joins the cluster instead
     previous = os.environ.pop("RAY_ADDRESS", None)
-    # Right after a node loss Ray Train's view of free resources can still count the lost node, so it may
-    # first try the old size and wait this long for its placement group (default 60 s) before taking the
-    # size that fits. The timeout covers only that wait: a placement group on free resources is ready at
-    # once (0.00 s in every start logged here), so 5 s is ample.
-    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "5"
+    # Right after a node loss Ray Train's view of free resources can still count the lost node, so it
+    # first tries the old size and waits this long for its placement group (default 60 s) before taking
+    # the size that fits (seen in every node-loss logged here). The timeout covers only that wait: a
+    # placement group on free resources is ready at once (0.00 s in every start logged here), so 2 s is
+    # ample, and one that ran out would only be retried (a controller error has no retry limit).
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "2"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
     for _ in range(2):
         cluster.add_node(num_cpus=0, resources=SLOT)
@@ -99,12 +101,12 @@ def _refresh_ray_trains_view(slots: int) -> None:
 
 
 @contextmanager
-def _hold_the_planner() -> Iterator[None]:
+def _hold_the_planner(run_name: str) -> Iterator[None]:
     """SIGSTOP the run's planner actor, SIGCONT on exit: each worker asks it for every step's plan (one
     blocking actor call), so the group in training waits at its next step, as behind a slow planner, and
     cannot finish the run before Ray Train's resize monitor has acted. Ray Train's controller never calls
     the planner, so its decisions are unaffected; the grown group's restart call waits until the exit."""
-    (name,) = [n for n in ray.util.list_named_actors() if n.startswith("skrull-planner-elastic-")]
+    (name,) = [n for n in ray.util.list_named_actors() if n.startswith(f"skrull-planner-{run_name}-")]
     pid = ray.get(ray.get_actor(name).__ray_call__.remote(lambda actor: os.getpid()))
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -118,40 +120,58 @@ def _dp_of_last_step(run_dir: Path) -> int:
     return len(by_step[max(by_step)]) if by_step else 0
 
 
-def test_losing_and_regaining_a_node_shrinks_and_grows_the_worker_group(cluster, tmp_path: Path) -> None:
+def _train_slots(cluster, slots: int) -> None:
+    """Add or remove worker nodes until `slots` train slots are live and free (Ray Train told at once)."""
+    while len(cluster.worker_nodes) > slots:
+        cluster.remove_node(cluster.worker_nodes.copy().pop())
+    while len(cluster.worker_nodes) < slots:
+        cluster.add_node(num_cpus=0, resources=SLOT)
+    cluster.wait_for_nodes()
+    _wait_for(lambda: ray.available_resources().get("train_slot", 0) == slots, f"{slots} free slots", 60)
+    try:  # Ray Train creates its coordinator with the module's first run
+        ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
+    except ValueError:
+        return
+    _refresh_ray_trains_view(slots)
+
+
+class _Run(threading.Thread):
+    """`train(config)` in a thread, so that the test can change the cluster while it trains."""
+
+    def __init__(self, config) -> None:
+        super().__init__(daemon=True)
+        self.config, self.summary, self.error = config, None, None
+
+    def run(self) -> None:
+        try:
+            self.summary = train(self.config, progress=False)
+        except BaseException as err:  # noqa: BLE001 - re-raised by finish()
+            self.error = err
+
+    def finish(self) -> TrainSummary:
+        self.join(timeout=600)
+        assert self.error is None and self.summary is not None, self.error
+        return self.summary
+
+
+def _elastic_run(tmp_path: Path, name: str) -> _Run:
     config = load_config("configs/tiny-cpu.yaml", [
-        f"run.storage_path={tmp_path}", "run.name=elastic", f"data.num_samples={NUM_SAMPLES}",
+        f"run.storage_path={tmp_path}", f"run.name={name}", f"data.num_samples={NUM_SAMPLES}",
         "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", SMALL_VOCAB, f"train.steps={STEPS}",
         "parallel.cp_size=1", "parallel.num_workers=[1, 2]", "parallel.resize_check_s=1",
         "resources.cpus_per_worker=0", "resources.worker_resources={train_slot: 1}",
         "train.checkpoint_every=1", "train.max_failures=4", "train.collective_timeout_s=15",
     ])
-    run_dir = tmp_path / "elastic"
-    result: dict[str, TrainSummary | BaseException] = {}
+    run = _Run(config)
+    run.start()
+    return run
 
-    def run() -> None:
-        try:
-            result["summary"] = train(config, progress=False)
-        except BaseException as err:  # noqa: BLE001 - re-raised by the test
-            result["error"] = err
 
-    trainer = threading.Thread(target=run, daemon=True)
-    trainer.start()
-    _wait_for(lambda: max(_steps(run_dir), default=0) >= 3 and _dp_of_last_step(run_dir) == 2, "DP=2 steps")
-    cluster.remove_node(cluster.worker_nodes.copy().pop())  # one worker node (and its train worker) is gone
-    _refresh_ray_trains_view(slots=1)
-    _wait_for(lambda: _dp_of_last_step(run_dir) == 1, "a step trained at DP=1 after the node loss")
-    with _hold_the_planner():
-        cluster.add_node(num_cpus=0, resources=SLOT)
-        _refresh_ray_trains_view(slots=2)
-        _wait_for(lambda: _group_starts(run_dir) >= 3, "the worker group grown back to DP=2")
-    trainer.join(timeout=600)
-    assert "error" not in result, result.get("error")
-    summary = result["summary"]
-
-    sizes = [h["world_size"] for h in summary.history]
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes  # shrank, then grew back
-    assert summary.restarts >= 2 and summary.steps == STEPS
+def _assert_resized_and_exact(summary: TrainSummary, run_dir: Path, *, first_dp: int, last_dp: int) -> None:
+    """The run started at first_dp, restarted, trained its last steps at last_dp, every sample exact."""
+    sizes = [h["world_size"] for h in summary.history]  # one per step (cp_size 1: world size = DP)
+    assert sizes[0] == first_dp and sizes[-1] == last_dp, sizes
+    assert summary.restarts >= 1 and summary.steps == STEPS
     by_step = _steps(run_dir)
     assert sorted(by_step) == list(range(1, STEPS + 1))
     by_epoch: dict[int, list[int]] = {}
@@ -159,16 +179,35 @@ def test_losing_and_regaining_a_node_shrinks_and_grows_the_worker_group(cluster,
         assert len(records) == len({r["dp_rank"] for r in records})  # one line per DP rank of that step
         for record in records:
             by_epoch.setdefault(record["epoch"], []).extend(record["sample_ids"])
-    for ids in by_epoch.values():  # 20 steps x 8 = 4 whole epochs of 40: each id once per epoch
+    for ids in by_epoch.values():  # 15 steps x 8 = 3 whole epochs of 40: each id once per epoch
         assert sorted(ids) == list(range(NUM_SAMPLES))
+
+
+def test_losing_a_node_shrinks_the_worker_group_to_dp1(cluster, tmp_path: Path) -> None:
+    _train_slots(cluster, 2)
+    run_dir = tmp_path / "shrink"
+    run = _elastic_run(tmp_path, "shrink")
+    _wait_for(lambda: max(_steps(run_dir), default=0) >= 3 and _dp_of_last_step(run_dir) == 2, "DP=2 steps")
+    cluster.remove_node(cluster.worker_nodes.copy().pop())  # one worker node (and its train worker) is gone
+    _refresh_ray_trains_view(slots=1)
+    _assert_resized_and_exact(run.finish(), run_dir, first_dp=2, last_dp=1)
+
+
+def test_regaining_a_node_grows_the_worker_group_to_dp2(cluster, tmp_path: Path) -> None:
+    _train_slots(cluster, 1)
+    run_dir = tmp_path / "grow"
+    run = _elastic_run(tmp_path, "grow")
+    _wait_for(lambda: max(_steps(run_dir), default=0) >= 2, "DP=1 steps")
+    with _hold_the_planner("grow"):
+        cluster.add_node(num_cpus=0, resources=SLOT)
+        _refresh_ray_trains_view(slots=2)
+        _wait_for(lambda: _group_starts(run_dir) >= 2, "the worker group grown to DP=2")
+    _assert_resized_and_exact(run.finish(), run_dir, first_dp=1, last_dp=2)
 
 
 def test_a_worker_count_that_is_not_a_multiple_of_cp_trains_with_a_spare(cluster, tmp_path: Path) -> None:
     """Three train slots, cp_size 2, num_workers [2, 4]: Ray Train offers 3; DP 1 x CP 2 trains, one spare."""
-    while len(cluster.worker_nodes) < 3:
-        cluster.add_node(num_cpus=0, resources=SLOT)
-    cluster.wait_for_nodes()
-    _wait_for(lambda: ray.available_resources().get("train_slot", 0) == 3, "three free train slots", 60)
+    _train_slots(cluster, 3)
     config = load_config("configs/tiny-cpu.yaml", [
         f"run.storage_path={tmp_path}", "run.name=spare", f"data.num_samples={NUM_SAMPLES}",
         "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", SMALL_VOCAB, "train.steps=5",

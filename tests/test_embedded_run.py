@@ -10,11 +10,8 @@ trains until its first step (DP 1 x CP 2, 16 sequences of ~30 tokens).
 from __future__ import annotations
 
 import ipaddress
-import os
 import shlex
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,23 +19,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.driver_process import Stopped, start_driver, stop_driver
 from tests.run_configs import SMALL_VOCAB
 
 pytestmark = pytest.mark.slow  # a driver process with its own Ray and a training run
 
 psutil = pytest.importorskip("psutil")
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
 class Watched:
-    returncode: int
-    stderr: str
-    stopped_in_s: float
+    stopped: Stopped
     listening: dict[tuple[str, int], str] = field(default_factory=dict)
     """(address, port) -> the command line of the process listening there, over the whole run."""
-    left_alive: list[str] = field(default_factory=list)
 
 
 class ListenSampler(threading.Thread):
@@ -82,13 +76,9 @@ def _trained_a_step(storage: Path) -> bool:
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
     storage = tmp_path_factory.mktemp("embedded")
-    overrides = [f"run.storage_path={storage}", "run.name=sigterm", "data.num_samples=32",
-                 "data.length_scale=0.1", "scheduling.global_batch_size=8", "train.steps=40", SMALL_VOCAB]
-    command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml", "--no-progress",
-               *(part for o in overrides for part in ("--set", o))]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own embedded Ray
-    driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              start_new_session=True)
+    driver = start_driver([f"run.storage_path={storage}", "run.name=sigterm", "data.num_samples=32",
+                           "data.length_scale=0.1", "scheduling.global_batch_size=8", "train.steps=40",
+                           SMALL_VOCAB])
     sampler = ListenSampler(driver.pid)
     sampler.start()
     deadline = time.monotonic() + 300
@@ -103,28 +93,18 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> Watched:
     sampler.sample()
     sampler.stop.set()
     sampler.join()
-    ray_processes = psutil.Process(driver.pid).children(recursive=True)
-    driver.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
-    _, stderr = driver.communicate(timeout=90)
-    stopped_in_s = time.monotonic() - sent
-    _, alive = psutil.wait_procs(ray_processes, timeout=15)
-    left = []
-    for process in alive:
-        with_name = " ".join(process.cmdline()[:2]) if process.is_running() else str(process.pid)
-        left.append(with_name)
-        process.kill()
-    return Watched(returncode=driver.returncode, stderr=stderr.decode(), stopped_in_s=stopped_in_s,
-                   listening=sampler.found, left_alive=left)
+    stopped = stop_driver(driver, signal.SIGTERM, timeout_s=90, grace_s=15)
+    return Watched(stopped=stopped, listening=sampler.found)
 
 
 def test_sigterm_stops_the_driver_like_ctrl_c(watched: Watched) -> None:
-    assert watched.returncode == 143, watched.stderr[-3000:]
-    assert watched.stopped_in_s < 60
-    assert "interrupted (SIGTERM): Ray is shut down;" in watched.stderr
-    resume = shlex.split(watched.stderr.split("Resume with:")[1].strip().splitlines()[0])
+    stopped = watched.stopped
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert stopped.stopped_in_s < 60
+    assert "interrupted (SIGTERM): Ray is shut down;" in stopped.stderr
+    resume = shlex.split(stopped.stderr.split("Resume with:")[1].strip().splitlines()[0])
     assert resume[:4] == ["python", "-m", "app", "train"] and "run.name=sigterm" in resume
-    assert not watched.left_alive, watched.left_alive
+    assert not stopped.left_alive, stopped.left_alive
 
 
 def test_every_socket_an_embedded_run_listens_on_is_loopback(watched: Watched) -> None:
