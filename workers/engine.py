@@ -156,6 +156,9 @@ def import_deepspeed() -> Any:
     (measured with `python -X importtime`, 2026-11-25). While deepspeed imports, `import mlflow` raises
     ImportError (a None entry in sys.modules), which DeepSpeed catches; the entry is removed afterwards,
     so mlflow imports normally later in the process.
+
+    Every call also keeps DeepSpeed from JIT-building its CPU shm comm op (skip_cpu_shm_comm_op), so that
+    each process that builds an engine, whichever way it imported deepspeed, skips it.
     """
     if "deepspeed" not in sys.modules:
         blocked = "mlflow" not in sys.modules
