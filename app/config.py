@@ -266,13 +266,27 @@ class HardwareConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    steps: int = 10
-    """Optimizer steps to run (0: one pass over the data)."""
+    steps: int = 0
+    """Optimizer steps to run; 0 (default): `epochs` passes over the data (`train` prints the count)."""
     epochs: int = 1
     """Passes over the data when steps is 0."""
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    lr: float = 1e-5
+    """Peak learning rate (after warmup): 1e-5 suits a full fine-tune of a 0.5B-7B model, LoRA ~1e-4."""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: stay at `lr`, or decay linearly or along a half cosine to lr * min_lr_ratio at the
+    run's last step (workers/lr_schedule.py; the GPU configs use cosine)."""
     warmup_steps: int = 0
+    """Steps of linear warmup: step s <= warmup trains at lr * s / warmup. Set this or warmup_ratio."""
+    warmup_ratio: float = 0.0
+    """Warmup as a fraction of the run's steps (rounded up). Set this or warmup_steps, not both."""
+    min_lr_ratio: float = 0.0
+    """linear and cosine decay end at lr * min_lr_ratio on the run's last step."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's (beta1, beta2): the default is the common LLM pre-/fine-training choice (torch's is 0.999)."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon."""
     grad_clip: float = 1.0
     seed: int = 0
     zero_stage: int = 2
@@ -297,6 +311,11 @@ class TrainConfig:
     eval_every: int = 0
     """Compute the eval loss (data.eval_fraction / data.eval_path) every this many steps and after the
     last one, reported as `eval_loss`; 0: never."""
+    wandb_project: str = ""
+    """Weights & Biases project every reported step's metrics also go to (app/wandb_log.py), one W&B run
+    per run.name; empty: off. Needs the extra skrull-on-ray[wandb]; WANDB_MODE=offline works offline."""
+    wandb_entity: str = ""
+    """W&B entity (user or team) of wandb_project; empty: the API key's default entity."""
     mlflow_uri: str = ""
     """MLflow tracking URI every reported step's metrics also go to (app/mlflow_log.py), e.g.
     http://tracking:5000 or sqlite:///mlflow.db; empty: off. Needs the extra skrull-on-ray[mlflow]."""
@@ -312,6 +331,18 @@ class TrainConfig:
         _require(self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         for name in ("weight_decay", "warmup_steps", "grad_clip", "checkpoint_every"):
             _require(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
+        _require(0 <= self.warmup_ratio < 1, f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        _require(not (self.warmup_steps and self.warmup_ratio),
+                 "train.warmup_steps and train.warmup_ratio are both set: set one of them (the other 0)")
+        _require(0 <= self.min_lr_ratio <= 1,
+                 f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(all(0 <= b < 1 for b in self.adam_betas),
+                 f"train.adam_betas must be two numbers in [0, 1), got {list(self.adam_betas)}")
+        _require(self.adam_eps > 0, f"train.adam_eps must be > 0, got {self.adam_eps}")
+        for name in ("wandb_project", "wandb_entity"):
+            value = getattr(self, name)
+            _require(isinstance(value, str) and value == value.strip() and "/" not in value,
+                     f"train.{name} must be a name without '/' or surrounding spaces, got {value!r}")
         _require(self.zero_stage in (1, 2), "train.zero_stage must be 1 or 2 (built and tested: 2; stage 0 "
                  "applies inf/NaN gradients, the non-finite guard needs ZeRO's overflow check)")
         _require(self.loss_chunk_tokens >= 1, "train.loss_chunk_tokens must be >= 1")
@@ -419,6 +450,12 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+"""A YAML 1.2 core-schema float. PyYAML resolves YAML 1.1's, which needs a dot and a signed exponent, so
+`2e-5`, `1e30`, `1.0e30` and `-1E-3` arrive as strings: a float field takes them as the numbers they are
+(a string field keeps them as written; ints such as `1_000` and `0x10` resolve as before)."""
+
+
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Check `value` against a field annotation; ints are accepted where floats are expected."""
     origin = typing.get_origin(annotation)
@@ -448,6 +485,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
             return None
         raise ConfigError(f"{where}: expected null, got {value!r}")
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation is float and isinstance(value, str) and YAML12_FLOAT.fullmatch(value):
         return float(value)
     if annotation is int and isinstance(value, float) and value.is_integer():
         return int(value)

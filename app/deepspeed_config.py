@@ -21,6 +21,10 @@ Why these settings:
   fp32 partition per group, so foreach is a handful of memory-bound passes over it (milliseconds for 7B's
   partition on 8 GPUs) against steps of seconds. On CPU torch's default, as before (a for-loop: foreach
   and fused are off by default for CPU tensors).
+- No `scheduler` section: the learning-rate schedule (train.lr_scheduler, warmup, min_lr_ratio) is torch's
+  LambdaLR over workers/lr_schedule.py, handed to `deepspeed.initialize` as the client scheduler, because
+  it must follow the run's global step across resumes and skipped updates, and DeepSpeed's WarmupLR has no
+  decay while its WarmupCosineLR has no linear decay and counts only applied updates.
 - bf16 accumulates gradients in fp32 (`data_types.grad_accum_dtype`): a step has a variable, often large,
   number of micro-batches, and bf16's 8-bit mantissa loses the small late ones. DeepSpeed 0.19's ZeRO-2
   then keeps the rank's gradient partition in an fp32 buffer (`_use_compact_grad_partition_buffer`,
@@ -46,8 +50,8 @@ def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool) -> DeepSpe
             "params": {
                 "lr": train.lr,
                 "weight_decay": train.weight_decay,
-                "betas": [0.9, 0.95],
-                "eps": 1e-8,
+                "betas": list(train.adam_betas),
+                "eps": train.adam_eps,
                 # torch's AdamW, never DeepSpeed's JIT-compiled FusedAdam / CPUAdam (module docstring).
                 "torch_adam": True,
             },
@@ -68,10 +72,4 @@ def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool) -> DeepSpe
         ds["optimizer"]["params"]["foreach"] = True
     if dtype == "bf16":  # train.zero_stage is 1 or 2 (app/config.py): both honour it
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
-    if train.warmup_steps:
-        ds["scheduler"] = {
-            "type": "WarmupLR",
-            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": train.lr,
-                       "warmup_num_steps": train.warmup_steps, "warmup_type": "linear"},
-        }
     return ds

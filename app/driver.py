@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from app.config import ConfigError, SkrullConfig
+from app.config import ConfigError, SkrullConfig, TrainConfig
 from app.preflight import CONFIG_SNAPSHOT, check_resume, preflight, run_name, run_storage, write_snapshot
 from app.resume_checkpoints import set_aside_unloadable_checkpoints
 from app.run_failures import one_line_failures
@@ -263,7 +263,30 @@ def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_step
         planner=planner, monitor=monitor, seed=train.seed, collective_timeout_s=train.collective_timeout_s,
         planner_timeout_s=config.scheduling.planner_timeout_s, eval_every=train.eval_every,
         nonfinite=NonFinitePolicy(train.nonfinite, train.max_skipped_steps),
+        lr_schedule=lr_schedule(train, total_steps),
     )
+
+
+def lr_schedule(train: TrainConfig, total_steps: int) -> Any:
+    """The run's LrSchedule (workers/lr_schedule.py): the warmup resolved against its step count."""
+    from workers.lr_schedule import LrSchedule, resolve_warmup
+
+    warmup = resolve_warmup(train.warmup_steps, train.warmup_ratio, total_steps)
+    return LrSchedule(train.lr_scheduler, warmup, total_steps, train.min_lr_ratio)
+
+
+def steps_line(config: SkrullConfig, total_steps: int, usable_rows: int) -> str:
+    """What `train` will run: its step count (derived from train.epochs when train.steps is 0) and LR."""
+    train, batch = config.train, config.scheduling.global_batch_size
+    source = (f"train.steps={train.steps}" if train.steps else
+              f"{train.epochs} epoch(s) x {usable_rows // batch} global batches of {batch} rows")
+    schedule = lr_schedule(train, total_steps)
+    curve = f"lr {train.lr:g}"
+    if schedule.warmup_steps:
+        curve += f" after {schedule.warmup_steps} warmup steps"
+    if train.lr_scheduler != "constant":
+        curve += f", {train.lr_scheduler} decay to {train.lr * train.min_lr_ratio:g} at step {total_steps}"
+    return f"train: {total_steps} steps ({source}); {curve}"
 
 
 def make_trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any,
@@ -422,6 +445,8 @@ def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out:
 
     data = prepared_data(config, progress=progress, out=out, embedded=embedded, run_dir=run_dir)
     total_steps = _total_steps(config, data.usable_rows)
+    if progress:
+        print(steps_line(config, total_steps, data.usable_rows), file=out, flush=True)
     planner = planner_actor(config, data.dataset, total_steps, name, eval_dataset=data.eval_dataset)
     monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
     settings = worker_settings(config, planner, monitor, total_steps, _run_location(config, name).uri)
@@ -521,8 +546,9 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
                       run_name: str | None = None) -> tuple[Any, list[dict[str, Any]]]:
     """trainer.fit() (Ctrl-C stays the driver's) under a progress bar fed by `monitor`; with `run_dir`,
     every record also goes to <run_dir>/metrics.jsonl and each group start to worker_starts.jsonl
-    (app/run_files.py), to <run_dir>/tensorboard/ (app/tensorboard_log.py) and, with train.mlflow_uri, to
-    MLflow (app/mlflow_log.py) as the MLflow run `run_name` (default: run_dir's name).
+    (app/run_files.py), to <run_dir>/tensorboard/ (app/tensorboard_log.py), with train.mlflow_uri to
+    MLflow (app/mlflow_log.py) and with train.wandb_project to W&B (app/wandb_log.py), as the run
+    `run_name` (default: run_dir's name).
 
     Returns (Ray Train's result, every reported record in order).
     """
@@ -531,6 +557,7 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
     from app.preflight import snapshot_record
     from app.run_files import RunLog
     from app.tensorboard_log import TensorBoardLog
+    from app.wandb_log import WandbLog
 
     # ray.train.report is a barrier of Ray Train's own (not torch's), without a timeout by default: a peer
     # hung between two collectives would hang it. It reads its timeout from this variable, which Ray Train
@@ -542,8 +569,17 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
     if run_dir is not None and config.train.mlflow_uri:
         tracking = MlflowLog(config.train.mlflow_uri, run_dir, run_name or run_dir.name,
                              snapshot_record(config), out=out)
+    wandb_log = None
+    if run_dir is not None and config.train.wandb_project:
+        try:
+            wandb_log = WandbLog(config.train.wandb_project, config.train.wandb_entity, run_dir,
+                                 run_name or run_dir.name, snapshot_record(config), out=out)
+        except ConfigError:
+            if tracking is not None:
+                tracking.close("FAILED")
+            raise
     sinks = tuple(sink.record if isinstance(sink, RunLog) else sink.write
-                  for sink in (run_log, log, tracking) if sink is not None)
+                  for sink in (run_log, log, tracking, wandb_log) if sink is not None)
     status = "FAILED"
     try:
         with ProgressBar(monitor, total_steps, enabled=progress, file=out, sinks=sinks,
@@ -559,6 +595,8 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
             log.close()
         if tracking is not None:
             tracking.close(status)
+        if wandb_log is not None:
+            wandb_log.close(status)
     return result, bar.history
 
 

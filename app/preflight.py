@@ -273,9 +273,11 @@ def preflight(config: SkrullConfig) -> dict[str, Any]:
     from app.data.tokenizer import load_tokenizer
     from app.hardware import load_hardware_profile
     from app.mlflow_log import check_mlflow
+    from app.wandb_log import check_wandb
 
     check_no_credentials_in_uris(config)
     check_mlflow(config.train.mlflow_uri)
+    check_wandb(config.train.wandb_project)
     check_model_source(config.model)
     source = resolve_source(config.data) if config.data.source == "path" else None
     eval_source = check_eval_source(config)

@@ -9,7 +9,8 @@ worker group re-trains the steps after its checkpoint) counts once, with its las
 
     run_dir, name, status ("finished" | "stopped" | "running or stopped" | "no step yet"), last_step,
     total_steps, steps, samples, tokens, loss_first, loss_last (the last step's; null when it was
-    non-finite), loss_min, eval_loss_last,
+    non-finite), loss_min, eval_loss_last, lr_first, lr_last, lr_max (the learning rate each step
+    trained with, as the optimizer held it),
     nonfinite_steps (steps whose loss or gradient norm was inf/NaN: their updates were not applied),
     loss_spikes ([{step, loss, median}]: a loss above LOSS_SPIKE_FACTOR x the median of the previous
     SPIKE_WINDOW finite losses; not an error, often the start of a divergence),
@@ -142,6 +143,7 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
         "loss_min": min(losses, default=None),
         "nonfinite_steps": nonfinite_steps(history), "loss_spikes": loss_spikes(history), "stopped": stopped,
         "eval_loss_last": evals[-1] if evals else None,
+        **_lr_fields(_values(history, "lr")),
         "tokens_per_s": tokens / sum(step_s) if sum(step_s) > 0 else None,
         "tokens_per_s_median": _median(_values(history, "tokens_per_s")),
         "tokens_per_s_per_worker_median": _median(v for v in per_worker if v is not None),
@@ -154,6 +156,11 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
         "starts": len(run["starts"]), "restarts": restarts, "resumes": resumes,
         "rank_compute_s_mean": rank_compute_means(history), "data": run["data"], "history": history,
     }
+
+
+def _lr_fields(lrs: list[float]) -> dict[str, float | None]:
+    return {"lr_first": lrs[0] if lrs else None, "lr_last": lrs[-1] if lrs else None,
+            "lr_max": max(lrs, default=None)}
 
 
 def sparkline(values: list[float], width: int = 60) -> str:
@@ -188,6 +195,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         f"loss      {_fmt(r['loss_first'], '.4f')} -> {last} (min {_fmt(r['loss_min'], '.4f')}){evals}",
         f"          {sparkline(losses)}",
         *_health_lines(r),
+        *_lr_lines(r),
         f"tokens/s  {_fmt(r['tokens_per_s'], '.0f')} overall, median step "
         f"{_fmt(r['tokens_per_s_median'], '.0f')} ({_fmt(r['tokens_per_s_per_worker_median'], '.0f')} per "
         f"worker), step {_fmt(r['step_s_median'])} s",
@@ -206,6 +214,15 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         ranks = ", ".join(f"{rank}: {_fmt(s)}" for rank, s in enumerate(busy))
         lines.append(f"busy s    per rank, mean compute per step: {ranks}")
     return lines
+
+
+def _lr_lines(r: dict[str, Any]) -> list[str]:
+    """The learning rate's first, peak and last value and its curve (none for a run without `lr`)."""
+    lrs = _values(r["history"], "lr")
+    if not lrs:
+        return []
+    return [f"lr        {_fmt(r['lr_first'])} -> {_fmt(r['lr_last'])} (max {_fmt(r['lr_max'])})",
+            f"          {sparkline(lrs)}"]
 
 
 def _health_lines(r: dict[str, Any]) -> list[str]:

@@ -11,6 +11,7 @@ needs nothing but the run directory:
                                    call, so restarts = starts - 1 within each call
     <run_dir>/data_summary.json    the data scan of the newest `train` call (rows, tokens, statuses)
     <run_dir>/mlflow_run.json      {"tracking_uri", "run_id"}: the MLflow run a resumed run continues
+    <run_dir>/wandb_run.json       {"project", "entity", "run_id"}: the W&B run a resumed run continues
 
 Consistency while a run is being written: each JSONL record is one write() of one whole line on a file
 opened for appending, and readers take complete lines only (a torn last line, from a writer caught
@@ -36,6 +37,7 @@ METRICS_FILE = "metrics.jsonl"
 STARTS_FILE = "worker_starts.jsonl"
 DATA_SUMMARY_FILE = "data_summary.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"
+WANDB_RUN_FILE = "wandb_run.json"
 CONFIG_FILE = "skrull_config.json"  # app/preflight.py CONFIG_SNAPSHOT writes it
 
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -113,6 +114,8 @@ def local_ray(suite_ray: SuiteRay) -> Iterator[None]:
 
 
 TINY_RUN_STEPS = 6
+TINY_RUN_SCHEDULE = ("train.lr_scheduler=cosine", "train.warmup_steps=2", "train.min_lr_ratio=0.1")
+"""The shared run's learning rate: 2 warmup steps, then a half cosine to 10% of train.lr on step 6."""
 
 
 @pytest.fixture(scope="session")
@@ -120,9 +123,12 @@ def tiny_run(suite_ray: SuiteRay, tmp_path_factory: pytest.TempPathFactory):
     """One tiny run shared by test_train_e2e, test_eval_loss, test_export and test_report: (its
     TrainSummary, MLflow URI).
 
+    Its learning rate follows TINY_RUN_SCHEDULE (tests/test_train_e2e.py checks every step's).
+
     tests/test_train_e2e.py's config (24 samples of ~30 tokens, batches of 8, DP 1 x CP 2, skrull, 40% of the
-    rows held out and evaluated every 2 steps) for TINY_RUN_STEPS = 6 steps, logged to a file MLflow store,
-    on the suite's Ray. Each of those modules used to train its own run (~40-60 s each on 2 cores).
+    rows held out and evaluated every 2 steps) for TINY_RUN_STEPS = 6 steps, logged to a file MLflow store
+    and, with wandb installed, to an offline W&B run in the run directory (tests/test_wandb_log.py), on the
+    suite's Ray. Each of those modules used to train its own run (~40-60 s each on 2 cores).
     """
     from app.driver import train
     from tests.test_train_e2e import EVAL, _config
@@ -130,11 +136,19 @@ def tiny_run(suite_ray: SuiteRay, tmp_path_factory: pytest.TempPathFactory):
     suite_ray.ensure()
     root = tmp_path_factory.mktemp("tiny_run")
     uri = f"file:{root / 'mlruns'}"
+    with_wandb = importlib.util.find_spec("wandb") is not None
     config = _config(root, "skrull", "scheduling.policy=skrull", f"train.steps={TINY_RUN_STEPS}",
-                     f"train.mlflow_uri={uri}", *EVAL)
+                     f"train.mlflow_uri={uri}", *EVAL, *TINY_RUN_SCHEDULE,
+                     *(["train.wandb_project=skrull-tests"] if with_wandb else []))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3 refuses the file store unless asked
+        env.setenv("WANDB_MODE", "offline")  # W&B writes <run_dir>/wandb/ only
+        env.setenv("WANDB_SILENT", "true")
         summary = train(config, progress=False)
+        if with_wandb:
+            import wandb
+
+            wandb.teardown()  # W&B's process (it read the environment above) ends, its files complete
     return summary, uri
 
 

@@ -43,11 +43,50 @@ def test_sections_are_frozen_and_keyword_only() -> None:
     ("scheduling.planner_timeout_s=0", "scheduling.planner_timeout_s must be > 0"),
     ("resources.worker_resources={GPU: 1}", "resources.worker_resources.GPU=1.0: custom resources only"),
     ("resources.worker_resources={slot: x}", "resources.worker_resources.slot: expected float"),
+    ("train.lr=2e-5x", "train.lr: expected float, got '2e-5x'"),
+    ("train.lr_scheduler=step", "train.lr_scheduler='step' is not one of: constant, linear, cosine"),
+    ("train.warmup_ratio=1", "train.warmup_ratio must be in [0, 1)"),
+    ("train.min_lr_ratio=1.5", "train.min_lr_ratio must be in [0, 1]"),
+    ("train.adam_betas=[0.9, 1]", "train.adam_betas must be two numbers in [0, 1)"),
+    ("train.adam_betas=0.9", "train.adam_betas: expected a list of 2 values"),
+    ("train.adam_eps=0", "train.adam_eps must be > 0"),
+    ("train.wandb_project=team/project", "train.wandb_project must be a name without '/'"),
 ])
 def test_every_section_checks_its_own_fields(override: str, message: str) -> None:
     overrides = [override, "parallel.cp_size=1"] if "global_batch_size" in override else [override]
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("configs/tiny-cpu.yaml", overrides)
+
+
+def test_warmup_is_steps_or_a_ratio_not_both() -> None:
+    with pytest.raises(ConfigError, match=r"train.warmup_steps and train.warmup_ratio are both set"):
+        load_config(None, ["train.warmup_steps=10", "train.warmup_ratio=0.1"])
+    assert load_config(None, ["train.warmup_ratio=0.03"]).train.warmup_ratio == 0.03
+
+
+@pytest.mark.parametrize("written, value", [
+    ("2e-5", 2e-5), ("1e30", 1e30), ("1.0e30", 1e30), (".5", 0.5), ("1E-3", 1e-3), ("+3E+2", 300.0),
+    ("2.0e-5", 2e-5), ("1.0e+30", 1e30), ("3", 3.0), ("1_000", 1000.0), ("0x10", 16.0),
+])
+def test_floats_as_users_write_them(tmp_path: Path, written: str, value: float) -> None:
+    """YAML 1.2 floats where a float is expected, in a file and in --set alike; YAML 1.1 ints (`1_000`,
+    `0x10`) keep their meaning."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"train:\n  weight_decay: 0\n  grad_clip: {written}\n")
+    from_file = load_config(path).train.grad_clip
+    from_set = load_config(None, [f"train.grad_clip={written}"]).train.grad_clip
+    assert from_file == from_set == value and isinstance(from_file, float) and isinstance(from_set, float)
+    betas = load_config(None, [f"train.adam_betas=[0.5, {written}]"]).train.adam_betas if 0 <= value < 1 \
+        else (0.5, value)
+    assert betas == (0.5, value)
+    with pytest.raises(ConfigError, match=re.escape("train.grad_clip must be >= 0, got -0.001")):
+        load_config(None, ["train.grad_clip=-1E-3"])  # a negative one is the number, checked as such
+
+
+@pytest.mark.parametrize("written", ["2e-5", "1e30", "-1E-3", "1e5"])
+def test_a_string_field_keeps_a_number_like_text_as_written(written: str) -> None:
+    assert load_config(None, [f"run.name={written}"]).run.name == written
+    assert load_config(None, [f"model.name_or_path={written}"]).model.name_or_path == written
 
 
 def test_every_policy_of_the_registry_is_a_valid_config() -> None:

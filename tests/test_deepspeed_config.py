@@ -33,11 +33,14 @@ def test_the_gpu_json_asks_for_torch_foreach_adamw_and_fp32_accumulation() -> No
     # Nothing else that loads a DeepSpeed op: no offload (CPUAdam), no fp16, no compression or quantization.
     assert set(gpu) <= {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
                         "optimizer", "zero_optimization", "gradient_clipping", "bf16", "data_types",
-                        "wall_clock_breakdown", "scheduler"}
+                        "wall_clock_breakdown"}
     assert not any(key.startswith("offload") for key in gpu["zero_optimization"])
     cpu = deepspeed_config(train, dtype="fp32", on_gpu=False)
     assert cpu["optimizer"]["params"]["torch_adam"] is True and "foreach" not in cpu["optimizer"]["params"]
     assert "data_types" not in cpu  # fp32 accumulates in fp32 anyway
+    tuned = load_config(None, ["train.adam_betas=[0.8, 0.99]", "train.adam_eps=1e-6"]).train
+    params = deepspeed_config(tuned, dtype="fp32", on_gpu=False)["optimizer"]["params"]
+    assert (params["betas"], params["eps"]) == ([0.8, 0.99], 1e-6)
     stage1 = load_config(None, ["train.zero_stage=1"]).train
     assert deepspeed_config(stage1, dtype="bf16", on_gpu=True)["data_types"] == {"grad_accum_dtype": "fp32"}
 

@@ -198,6 +198,8 @@ def test_report_json_is_the_runs_history_from_the_run_directory_alone(watched_ru
     assert (report["starts"], report["restarts"], report["resumes"]) == (1, 0, 0)
     assert (report["tokens"], report["samples"]) == (summary.tokens, summary.samples)
     assert (report["loss_first"], report["loss_last"]) == (summary.loss_first, summary.loss_last)
+    lrs = [h["lr"] for h in summary.history]
+    assert (report["lr_first"], report["lr_last"], report["lr_max"]) == (lrs[0], lrs[-1], max(lrs))
     assert report["tokens_per_s"] == pytest.approx(summary.tokens_per_s, rel=1e-12)
     assert report["planner_ahead_steps_min"] == min(h["planner_ahead_steps"] for h in summary.history)
     assert report["data"]["usable_rows"] == 24
@@ -212,6 +214,7 @@ def test_report_json_is_the_runs_history_from_the_run_directory_alone(watched_ru
     text = _report(copy)
     assert f"run {run_dir.name}: finished, step {STEPS} of {STEPS}" in text
     assert "restarts  0 (1 worker-group starts, 0 resumes)" in text
+    assert f"lr        {lrs[0]:.3g} -> {lrs[-1]:.3g} (max {max(lrs):.3g})" in text
     assert len(text.splitlines()) <= 24  # one screen
 
 
@@ -232,11 +235,13 @@ def test_mlflow_has_the_config_and_every_step(watched_run) -> None:
     (run,) = client.search_runs([client.get_experiment_by_name("skrull").experiment_id])
     assert run.info.run_name == Path(summary.run_dir).name and run.info.status == "FINISHED"
     assert run.data.params["train.lr"] == "0.003" and run.data.params["parallel.cp_size"] == "2"
-    for key in ("loss", "mfu", "padding_fraction", "tokens_per_s_per_worker"):
+    for key in ("loss", "mfu", "padding_fraction", "tokens_per_s_per_worker", "lr"):
         logged = client.get_metric_history(run.info.run_id, key)
         assert [m.step for m in logged] == [h["step"] for h in summary.history], key
     losses = client.get_metric_history(run.info.run_id, "loss")
     assert [m.value for m in losses] == pytest.approx(summary.losses, rel=1e-12)
+    lrs = client.get_metric_history(run.info.run_id, "lr")
+    assert [m.value for m in lrs] == pytest.approx([h["lr"] for h in summary.history], rel=1e-12)
 
 
 def test_a_bad_override_of_the_mlflow_uri_is_rejected() -> None:

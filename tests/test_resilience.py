@@ -30,19 +30,30 @@ from app.__main__ import main  # noqa: E402
 from app.config import ConfigError, load_config  # noqa: E402
 from app.driver import TrainSummary, train  # noqa: E402
 from app.preflight import recorded_step  # noqa: E402
+from app.report import run_report  # noqa: E402
 from tests.driver_process import Stopped, start_driver, stop_driver  # noqa: E402
-from tests.run_configs import SMALL_VOCAB  # noqa: E402
+from tests.run_configs import SMALL_VOCAB, scheduled_lrs  # noqa: E402
 
 NUM_SAMPLES, BATCH, STEPS = 40, 8, 6
+WARMUP, LR = 3, 0.003  # LR: configs/tiny-cpu.yaml's
+"""Every run here warms its learning rate up over 3 steps, so a start after step 1 or 2 (a resume on
+another worker count, a restart) that put the schedule anywhere but at its step shows in the next `lr`
+(the shrunk run resumes at step 3, the grown one at 4). Only warmup: these runs change train.steps between
+calls, which moves a decay's end (the Ctrl-C run, which does not, decays)."""
+WARMUP_LRS = scheduled_lrs(LR, WARMUP, STEPS, kind="constant")
 # Long enough for every legitimate wait in a collective of these runs (steps and checkpoints of
 # milliseconds, ranks that start within a second or two of each other), short enough not to idle.
 HUNG_TIMEOUT_S = 10
 COMMON = [f"data.num_samples={NUM_SAMPLES}", "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}",
-          "parallel.cp_size=1", "parallel.num_workers=2", SMALL_VOCAB]
+          "parallel.cp_size=1", "parallel.num_workers=2", SMALL_VOCAB, f"train.warmup_steps={WARMUP}"]
 
 
 def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
     return [f"run.storage_path={tmp_path}", f"run.name={name}", *COMMON, f"train.steps={STEPS}", *extra]
+
+
+def _lrs(summary: TrainSummary) -> list[float]:
+    return [h["lr"] for h in summary.history]
 
 
 def _config(tmp_path: Path, name: str, *extra: str):
@@ -175,6 +186,7 @@ def test_an_uninterrupted_run_reports_every_step_and_keeps_two_checkpoints(refer
     # Metrics reduced on steps 2, 4 and 6 (checkpoint steps) and 4 (log_every): every step reported once.
     assert [h["step"] for h in summary.history] == list(range(1, STEPS + 1))
     assert summary.loss_last < summary.loss_first - 0.5, summary.losses
+    assert [h["lr"] for h in summary.history] == pytest.approx(WARMUP_LRS, rel=1e-6)
     assert {h["world_size"] for h in summary.history} == {2}
     lines = Path(summary.run_dir, "samples.jsonl").read_text().splitlines()
     assert {json.loads(line)["dp_rank"] for line in lines} == {0, 1}
@@ -201,6 +213,7 @@ def test_resume_on_fewer_workers(shrunk, reference) -> None:
     assert [h["world_size"] for h in first.history] == [2, 2]
     assert shrunk.resumed_from_step == 2 and [h["world_size"] for h in shrunk.history] == [1]
     assert first.losses + shrunk.losses == pytest.approx(reference[:3], rel=1e-4)
+    assert _lrs(first) + _lrs(shrunk) == pytest.approx(WARMUP_LRS[:3], rel=1e-6)
 
 
 def test_resume_on_more_workers_through_a_killed_planner_and_what_a_rerun_refuses(shrunk, reference) -> None:
@@ -213,6 +226,7 @@ def test_resume_on_more_workers_through_a_killed_planner_and_what_a_rerun_refuse
     assert grown.resumed_from_step == 3 and grown.restarts == 1
     assert [h["world_size"] for h in grown.history] == [2, 2, 2]
     assert first.losses + shrunk.losses + grown.losses == pytest.approx(reference, rel=1e-4)
+    assert _lrs(first) + _lrs(shrunk) + _lrs(grown) == pytest.approx(WARMUP_LRS, rel=1e-6)
     _assert_samples_exact(grown.run_dir, STEPS)
 
     with pytest.raises(ConfigError, match=r"train.lr: 0.003 -> 0.001.*train.allow_config_change"):
@@ -228,6 +242,7 @@ def test_a_killed_worker_is_recovered_from_the_newest_checkpoint(reference, tmp_
     summary, _ = _train_with_faults(tmp_path, "killed", faults, "train.max_failures=1")
     assert summary.restarts == 1 and summary.steps == STEPS
     assert summary.losses == pytest.approx(reference, rel=1e-4)
+    assert _lrs(summary) == pytest.approx(WARMUP_LRS, rel=1e-6)
     _assert_samples_exact(summary.run_dir, STEPS)
 
 
@@ -243,10 +258,15 @@ def test_a_hung_peer_is_recovered_from_the_newest_checkpoint(reference, tmp_path
                                            f"train.collective_timeout_s={HUNG_TIMEOUT_S}")
     assert summary.restarts == 1 and summary.steps == STEPS
     assert summary.losses == pytest.approx(reference, rel=1e-4)
+    assert _lrs(summary) == pytest.approx(WARMUP_LRS, rel=1e-6)
     _assert_samples_exact(summary.run_dir, STEPS)
     # The hung step failed within the timeout: the next group had rewritten samples.jsonl soon after it
     # (the timeout, then Ray Train's teardown and a new group's start: ~15-25 s on this machine).
     assert injector.recovered_after_s[-1] < HUNG_TIMEOUT_S + 90, injector.recovered_after_s
+
+
+CTRL_C_DECAY = ("train.lr_scheduler=cosine", "train.min_lr_ratio=0.1")
+"""The Ctrl-C run decays its rate after the warmup: its resume must continue the same curve."""
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +276,7 @@ def interrupted(local_ray, tmp_path_factory: pytest.TempPathFactory) -> Stopped:
     Its resume is the next test's (each of the two runs charged to its own test).
     """
     tmp_path = tmp_path_factory.mktemp("ctrl_c")
-    driver = start_driver(_overrides(tmp_path, "", "train.checkpoint_every=1"))
+    driver = start_driver(_overrides(tmp_path, "", "train.checkpoint_every=1", *CTRL_C_DECAY))
     deadline = time.monotonic() + 300
     while not any(recorded_step(d) >= 2 for d in tmp_path.glob("skrull-*")):
         assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
@@ -281,6 +301,12 @@ def test_the_command_printed_on_ctrl_c_resumes_the_run_to_its_end(interrupted: S
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["resumed_from_step"] >= 2 and summary["steps"] == STEPS - summary["resumed_from_step"]
     _assert_samples_exact(summary["run_dir"], STEPS)
+    # Both calls' steps, each once; a step checkpointed in the moment of Ctrl-C may have had no record yet.
+    history = run_report(summary["run_dir"])["history"]
+    steps, resumed = [h["step"] for h in history], summary["resumed_from_step"]
+    assert steps[resumed - STEPS:] == list(range(resumed + 1, STEPS + 1))
+    expected = scheduled_lrs(LR, WARMUP, STEPS, 0.1)
+    assert [h["lr"] for h in history] == pytest.approx([expected[s - 1] for s in steps], rel=1e-6)
 
 
 def test_a_restart_or_resize_is_one_line_with_both_shapes() -> None:

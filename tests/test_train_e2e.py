@@ -19,6 +19,7 @@ ray = pytest.importorskip("ray")
 from app.config import ConfigError, load_config  # noqa: E402
 from app.driver import train  # noqa: E402
 from scheduling.holdout import held_out  # noqa: E402
+from tests.run_configs import scheduled_lrs  # noqa: E402
 
 NUM_SAMPLES = 24
 BATCH = 8
@@ -69,6 +70,7 @@ def test_dp1_cp2_trains_every_sample_and_reports_its_metrics(tiny_run) -> None:
         assert set(metrics) >= METRICS, METRICS - set(metrics)
         assert metrics["compute_imbalance"] >= 1 and metrics["planner_ahead_steps"] >= 0
     _check_tensorboard(Path(skrull.run_dir), skrull.history)
+    assert [m["lr"] for m in skrull.history] == pytest.approx(scheduled_lrs(0.003, 2, 6, 0.1), rel=1e-6)
 
 
 def _check_tensorboard(run_dir: Path, history: list[dict]) -> None:
@@ -82,6 +84,9 @@ def _check_tensorboard(run_dir: Path, history: list[dict]) -> None:
     losses = events.Scalars("loss")
     assert [e.step for e in losses] == [m["step"] for m in history]
     assert [e.value for e in losses] == pytest.approx([m["loss"] for m in history], rel=1e-6)
+    lrs = events.Scalars("lr")
+    assert [e.step for e in lrs] == [m["step"] for m in history]
+    assert [e.value for e in lrs] == pytest.approx([m["lr"] for m in history], rel=1e-6)
     per_worker = events.Scalars("tokens_per_s_per_worker")[0].value
     assert per_worker == pytest.approx(history[0]["tokens_per_s"] / 2, rel=1e-6)  # DP 1 x CP 2
 

@@ -17,6 +17,7 @@ from typing import Any, TypedDict
 import torch
 import torch.distributed as dist
 
+from workers.lr_schedule import LrSchedule, scheduler_factory
 from workers.models import ModelSpec
 
 
@@ -46,18 +47,6 @@ class ZeroSection(TypedDict):
     allgather_bucket_size: float
 
 
-class WarmupParams(TypedDict):
-    warmup_min_lr: float
-    warmup_max_lr: float
-    warmup_num_steps: int
-    warmup_type: str
-
-
-class SchedulerSection(TypedDict):
-    type: str
-    params: WarmupParams
-
-
 class EnabledFlag(TypedDict):
     enabled: bool
 
@@ -76,7 +65,6 @@ class DeepSpeedConfig(TypedDict, total=False):
     bf16: EnabledFlag
     data_types: DataTypesSection
     wall_clock_breakdown: bool
-    scheduler: SchedulerSection
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,8 +178,9 @@ def skip_cpu_shm_comm_op() -> None:
 
 
 def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.device, seed: int,
-                 groups: ZeroGroups | None = None) -> Any:
-    """The model on `device`, wrapped in a DeepSpeed engine: ZeRO-2 over `groups` (default: the world)."""
+                 groups: ZeroGroups | None = None, lr_schedule: LrSchedule | None = None) -> Any:
+    """The model on `device`, wrapped in a DeepSpeed engine: ZeRO-2 over `groups` (default: the world),
+    its learning rate following `lr_schedule` (workers/lr_schedule.py; None: constant)."""
     use_extensions_cache_per_environment()  # before DeepSpeed builds its ops
     deepspeed = import_deepspeed()
 
@@ -199,5 +188,6 @@ def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.devi
     model = spec.build().to(device)
     model.train()  # from_pretrained returns eval mode, which would also silently skip activation recompute
     engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config), mpu=groups,
-                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      lr_scheduler=scheduler_factory(lr_schedule or LrSchedule()))
     return engine

@@ -23,6 +23,8 @@ between two log steps never waits on a collective or a device-to-host copy for m
       update_skipped    DeepSpeed did not apply the step's update (its loss or gradient norm was inf/NaN,
                         workers/nonfinite.py); then also "nonfinite": which of the two
       skipped_steps     steps skipped so far by this start of the worker group
+      lr                the learning rate the step trained with, read from the optimizer before it
+                        (identical on every rank; workers/lr_schedule.py)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class StepRecord:
     applied: bool = True
     nonfinite: str | None = None
     skipped_steps: int = 0
+    lr: float = float("nan")
 
 
 @dataclass
@@ -57,10 +60,11 @@ class MetricsWindow:
     """A spare rank (workers/distributed.py): its compute time is left out of step time and imbalance."""
 
     def add(self, fetched: Fetched, loss_sum: torch.Tensor, grad_norm: object, compute_s: float, *,
-            applied: bool = True, nonfinite: str | None = None, skipped_steps: int = 0) -> None:
+            applied: bool = True, nonfinite: str | None = None, skipped_steps: int = 0,
+            lr: float = float("nan")) -> None:
         norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, device=loss_sum.device)
         self.records.append(StepRecord(fetched, loss_sum, norm.detach().float(), compute_s, applied,
-                                       nonfinite, skipped_steps))
+                                       nonfinite, skipped_steps, lr))
 
     def flush(self, world_group: dist.ProcessGroup) -> list[dict[str, float | list[float]]]:
         """Reduce the window over all ranks (collective: every rank calls it on the same steps)."""
@@ -123,6 +127,7 @@ def _step_metrics(record: StepRecord, loss_sum: float, per_rank: torch.Tensor,
         "planner_ahead_steps": record.fetched.ahead_steps,
         "compute_imbalance": float(compute.max() / compute.mean().clamp_min(1e-9)),
         "grad_norm": grad_norm,
+        "lr": record.lr,
         "micro_batches": len(payload.micro_batches),
         "samples": sum(len(ids) for ids in payload.sample_ids_by_dp_rank),
         "cursor_epoch": payload.cursor.epoch,

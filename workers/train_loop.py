@@ -23,6 +23,7 @@ divergence or the same full disk, and print a traceback per worker.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from scheduling.actor import Fetched, PlannerClient
 from scheduling.payload import Cursor, RankPayload
+from workers import lr_schedule
 from workers.checkpoint_files import save_checkpoint
 from workers.checkpoints import (
     CheckpointState,
@@ -46,6 +48,7 @@ from workers.checkpoints import (
 from workers.distributed import ParallelGroups
 from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
 from workers.eval_step import EvalSet, is_eval_step
+from workers.lr_schedule import LrSchedule
 from workers.metrics import MetricsWindow
 from workers.models import ModelSpec
 from workers.nonfinite import NonFiniteGuard, NonFinitePolicy, knob_values
@@ -80,6 +83,8 @@ class WorkerSettings:
     """train.eval_every: the eval loss after every this many steps and after the last (0: never)."""
     nonfinite: NonFinitePolicy = NonFinitePolicy()
     """train.nonfinite and train.max_skipped_steps (workers/nonfinite.py)."""
+    lr_schedule: LrSchedule = LrSchedule()
+    """train.lr_scheduler, warmup and min_lr_ratio over total_steps (workers/lr_schedule.py)."""
 
 
 def _append_samples(run_dir: str, payload: RankPayload) -> None:
@@ -180,12 +185,22 @@ def zero_groups(settings: WorkerSettings) -> ZeroGroups:
 
 def _engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, checkpoint: Any,
             resume: CheckpointState | None, local_rank: int) -> Any:
-    """Build the engine and load the checkpoint into it; another world size goes through universal."""
+    """Build the engine, load the checkpoint into it (another world size goes through universal) and put
+    the learning-rate schedule at the step after it."""
+    engine = _loaded_engine(settings, device, groups, checkpoint, resume, local_rank)
+    lr_schedule.position(engine.lr_scheduler, resume.step if resume else 0)
+    return engine
+
+
+def _loaded_engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, checkpoint: Any,
+                   resume: CheckpointState | None, local_rank: int) -> Any:
     zero = zero_groups(settings)
+    build = functools.partial(build_engine, settings.model, device=device, seed=settings.seed, groups=zero,
+                              lr_schedule=settings.lr_schedule)
     if resume is None:
-        return build_engine(settings.model, settings.deepspeed, device, settings.seed, zero)
+        return build(settings.deepspeed)
     if resume.world_size == groups.world_size:
-        engine = build_engine(settings.model, settings.deepspeed, device, settings.seed, zero)
+        engine = build(settings.deepspeed)
         with checkpoint.as_directory() as directory:
             # A LoRA checkpoint holds only the adapter: the built base weights stay (non-strict load).
             engine.load_checkpoint(directory, tag=resume.tag,
@@ -195,9 +210,9 @@ def _engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, check
     universal: DeepSpeedConfig = {**settings.deepspeed, "checkpoint": {"load_universal": True}}
     if local_rank == 0:  # one conversion per node, beside this rank's engine build; all wait at the barrier
         with checkpoint.as_directory() as directory, converting_to_universal(directory, resume, target):
-            engine = build_engine(settings.model, universal, device, settings.seed, zero)
+            engine = build(universal)
     else:
-        engine = build_engine(settings.model, universal, device, settings.seed, zero)
+        engine = build(universal)
     dist.barrier(group=groups.world_group)
     engine.load_checkpoint(str(target), tag=f"{resume.tag}_universal")
     dist.barrier(group=groups.world_group)
@@ -284,13 +299,16 @@ def fetch_and_step(settings: WorkerSettings, planner: PlannerClient, engine: Any
     """
     dp_rank, cp_rank = (-1, 0) if groups.is_spare else (groups.dp_rank, groups.cp_rank)
     fetched = planner.fetch(step, dp_rank, cp_rank)
+    lr = float(engine.get_lr()[0])  # this step's rate, from the optimizer (a host float: no device sync)
     stats = run_step(engine, fetched.payload, groups, device=device,
                      loss_chunk_tokens=settings.loss_chunk_tokens)
+    if not stats.applied:
+        lr_schedule.skip(engine.lr_scheduler)
     nonfinite = None
     if guard is not None:
         nonfinite = guard.after_step(step, stats.applied, stats.loss_sum, groups.world_group)
         if nonfinite and guard.stop is None and dist.get_rank() == 0:
             print(guard.warning(step, nonfinite), flush=True)
     window.add(fetched, stats.loss_sum, engine.get_global_grad_norm(), stats.compute_s, applied=stats.applied,
-               nonfinite=nonfinite, skipped_steps=guard.skipped if guard is not None else 0)
+               nonfinite=nonfinite, skipped_steps=guard.skipped if guard is not None else 0, lr=lr)
     return fetched, stats
