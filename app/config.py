@@ -172,6 +172,9 @@ class DataConfig:
     eval_path: str = ""
     """A separate eval dataset (same readers, format and tokenizer as data.path); exclusive with
     data.eval_fraction."""
+    max_malformed_fraction: float = 0.05
+    """Stop before training when more than this fraction of the rows read cannot be rendered (status
+    malformed; the data summary counts them by reason); 1: never stop, 0: no malformed row allowed."""
 
     def __post_init__(self) -> None:
         _require(self.source != "path" or bool(self.path),
@@ -183,6 +186,9 @@ class DataConfig:
                  f"data.eval_fraction must be in [0, 1) (0: no held-out set), got {self.eval_fraction}")
         _require(not (self.eval_fraction and self.eval_path),
                  "data.eval_fraction and data.eval_path are exclusive: set only one of them")
+        _require(0 <= self.max_malformed_fraction <= 1,
+                 f"data.max_malformed_fraction must be in [0, 1] (1: never stop on malformed rows), "
+                 f"got {self.max_malformed_fraction}")
 
 
 @dataclass(frozen=True, kw_only=True)

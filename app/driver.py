@@ -485,6 +485,10 @@ def prepared_data(config: SkrullConfig, *, progress: bool, out: TextIO, embedded
                   planners: int = 1, run_dir: Path | None = None) -> PreparedData:
     """Check the cluster fits, tokenize once (materialized), scan it, split off the eval set.
 
+    The scan stops the run here, before the planner and the workers start, when more than
+    data.max_malformed_fraction of the rows read are malformed (a DataError naming data.path, the fraction
+    and the most common reason: app/data/malformed.py).
+
     `planners`: how many planner actors the run starts (each reserves resources.planner_cpus).
     data.eval_path is tokenized and scanned the same way (its errors name data.eval_path); an eval set
     without a sample is a ConfigError (app/data/split.py). With `run_dir`, the data summary is also

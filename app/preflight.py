@@ -3,7 +3,9 @@
 Before Ray (`preflight`): the config tree already rejected unknown keys, bad choices and a world size not
 divisible by CP (its sections validate themselves, app/config.py); here the model source is resolved (a
 hub id through its config only, honoring HF_HUB_OFFLINE), the data source and tokenizer are opened, the
-hardware profile is loaded strictly and the output directory must be writable.
+hardware profile is loaded strictly and the output directory must be writable. The model must be one
+the training path computes exactly (no sliding window shorter than the max sequence length, no logit
+soft-capping, ...) and the tokenizer's ids must fit its vocabulary (app/model_support.py).
 
 Secrets: a URI with credentials in it (user:password@, access_key / secret_key / session_token) is refused
 (the environment holds them), and every message naming run.storage_path or data.path shows the URI with its
@@ -273,6 +275,7 @@ def preflight(config: SkrullConfig) -> dict[str, Any]:
     from app.data.tokenizer import load_tokenizer
     from app.hardware import load_hardware_profile
     from app.mlflow_log import check_mlflow
+    from app.model_support import check_model_support
     from app.wandb_log import check_wandb
 
     check_no_credentials_in_uris(config)
@@ -281,7 +284,7 @@ def preflight(config: SkrullConfig) -> dict[str, Any]:
     check_model_source(config.model)
     source = resolve_source(config.data) if config.data.source == "path" else None
     eval_source = check_eval_source(config)
-    load_tokenizer(config.data.tokenizer)
+    check_model_support(config, load_tokenizer(config.data.tokenizer))  # app/model_support.py
     load_hardware_profile(config.hardware.profile)
     fingerprints = {"data.path": data_fingerprint(config.data, source)}
     if eval_source is not None:

@@ -25,7 +25,9 @@ def formats(tmp_path_factory) -> tuple[list[dict], dict[str, Path]]:
 
 
 def config(*overrides: str):
-    base = ["scheduling.bucket_size=4096", "parallel.cp_size=1", "data.tokenize_batch_size=8"]
+    # The example rows hold malformed rows on purpose; tests/test_malformed_rows.py tests the limit.
+    base = ["scheduling.bucket_size=4096", "parallel.cp_size=1", "data.tokenize_batch_size=8",
+            "data.max_malformed_fraction=1"]
     return load_config(None, [*base, *overrides])
 
 
@@ -117,8 +119,12 @@ def test_missing_path_and_no_usable_rows(local_ray, tmp_path) -> None:
         tokenized(config("data.source=path", f"data.path={broken}"))
     junk = tmp_path / "junk.jsonl"
     junk.write_text('{"messages": []}\nnot json\n')
-    with pytest.raises(DataError, match=r"no usable rows in data.path.*empty=1, malformed=1"):
+    with pytest.raises(DataError, match=r"no usable rows in data.path.*empty=1, malformed=1\).*; 1 malformed "
+                                        r"\(1 'bad JSON \(Expecting value\)'; first: row 1\)"):
         scan(config("data.source=path", f"data.path={junk}"))
+    with pytest.raises(DataError, match=r"1 of 2 rows read \(fraction 0.5\) are malformed, above "
+                                        r"data.max_malformed_fraction=0.05"):
+        scan(config("data.source=path", f"data.path={junk}", "data.max_malformed_fraction=0.05"))
 
 
 def _ref(rows: list[dict]) -> tuple[list[np.ndarray], list[str]]:

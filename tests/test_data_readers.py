@@ -37,7 +37,9 @@ def test_formats_detected_and_lengths_match(formats, fmt: str) -> None:
     assert source.format == fmt
     if fmt == "parquet":
         assert [Path(f).name for f in source.files] == ["part-0.parquet", "part-1.parquet"]
-    lengths = dataset_token_lengths(DataConfig(source="path", path=str(paths[fmt]), tokenize_batch_size=7))
+    # The example rows are partly malformed on purpose; tests/test_malformed_rows.py tests the limit.
+    lengths = dataset_token_lengths(DataConfig(source="path", path=str(paths[fmt]), tokenize_batch_size=7,
+                                               max_malformed_fraction=1.0))
     assert lengths.dtype == np.int64 and lengths.tolist() == reference_lengths(rows)
     assert len(lengths) == expected_statuses(fmt).count("ok")
     limited = dataset_token_lengths(DataConfig(source="path", path=str(paths[fmt])), limit=5)

@@ -36,7 +36,8 @@ def test_tokenize_batch_output_columns() -> None:
         cfg = load_config(None, ["data.too_long=truncate", f"data.truncate_side={side}"]).data
         out = TokenizeBatch("qwen", template_settings(cfg, 32))(table)
         assert out.column_names == ["input_ids", "labels", "num_tokens", "raw_tokens", "label_tokens",
-                                    "status"]
+                                    "status", "reason"]
+        assert out.column("reason").to_pylist() == ["", ""]
         assert out.column("status").to_pylist() == expected
         assert out.column("label_tokens").type == pa.int64()
         labels = out.column("labels").to_pylist()[0]

@@ -7,6 +7,8 @@ num_items_in_batch = all label tokens (summed CE / count). fp32 tolerance 1e-5 r
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -138,3 +140,27 @@ def test_llama_cp3_mixed_plan_matches_hf_model() -> None:
     assert result["plan"]["distributed"] and any(result["plan"]["local"]), result["plan"]
     assert result["ok"], {k: result[k] for k in ("loss_abs_diff", "grad_max_rel_diff", "tolerance")}
     assert result["grad_max_rel_diff"] <= TOL
+
+
+def test_a_sliding_window_no_shorter_than_the_sequences_is_full_causal_attention() -> None:
+    """Mistral v0.1's kind of config: with every sequence within the window, the dacp attention equals
+    transformers' own sliding-window attention (sdpa); a longer sequence is refused, never silently
+    attended in full (app/model_support.py refuses such a run before Ray starts)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from workers.attention.hf import register_dacp_attention
+
+    config = MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16, use_cache=False)
+    torch.manual_seed(0)
+    # Each model its own config: the attention implementation is set on the config object.
+    dacp = register_dacp_attention()
+    ours = MistralForCausalLM._from_config(copy.deepcopy(config), attn_implementation=dacp)
+    ref = MistralForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    assert (ours.config._attn_implementation, ref.config._attn_implementation) == ("dacp", "sdpa")
+    ref.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 256, (1, 16))
+    assert torch.allclose(ours(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    longer = torch.randint(0, 256, (1, 17))
+    with pytest.raises(ValueError, match="16-token window is shorter than a 17-token sequence"):
+        ours(input_ids=longer)

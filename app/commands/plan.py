@@ -17,9 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from app.hardware import cost_model
+    from app.model_support import check_model_support
     from app.plan_report import format_table, plan_dry_run, plot_ranks
 
     config = config_from_args(args)
+    check_model_support(config)  # a model the DACP attention cannot run, a vocabulary it cannot embed: exit 2
     cost = cost_model(config)
     runs, summary, too_long = plan_dry_run(config, cost)
     if args.plot:

@@ -7,6 +7,7 @@
     ├── readers.py     format detection, ordered file lists, local (Ray-free) row batches
     ├── ray_ops.py     the callable classes Ray Data runs in `map_batches` (generate, tokenize)
     ├── pipeline.py    tokenized_dataset(data_cfg, ...), scan_dataset(dataset, ...) -> DataScan
+    ├── malformed.py   malformed rows by reason, first offender, the data.max_malformed_fraction check
     └── lengths.py     dataset_token_lengths(data_cfg): token counts without Ray, for the `plan` dry run
 
 Nothing here imports torch, and nothing imports Ray at module level: pipeline.py imports it inside its

@@ -3,7 +3,7 @@
     data.source=path        read_parquet(files) | read_text(jsonl files) | from_huggingface(load_from_disk)
                             -> map_batches(tokenize)
     data.source=synthetic   range(data.num_samples) -> map_batches(synthesize_and_tokenize)
-    both                    -> rows {input_ids, labels, num_tokens, raw_tokens, label_tokens, status}
+    both                    -> rows {input_ids, labels, num_tokens, raw_tokens, label_tokens, status, reason}
 
 Each map is one task at a time (`TaskPoolStrategy(size=1)`, resources.data_cpus each), which Ray Data fuses
 with the read into one task (app/data/ray_ops.py says why not an actor).
@@ -23,6 +23,7 @@ import numpy as np
 
 from app.config import DataConfig
 from app.data import DataError
+from app.data.malformed import MalformedTally, check_malformed, data_location
 from app.data.ray_ops import synthesize_and_tokenize, tokenize
 from app.data.readers import load_hf_dataset, resolve_source
 from app.data.template import TemplateSettings
@@ -37,7 +38,8 @@ class DataScan:
     label_tokens: label tokens (after truncation and the shift) summed over the usable rows, i.e. the
     number of next-token targets one epoch trains on. counts["truncated"] rows were cut and still train,
     counts["truncated_empty"] rows were cut to a window without a label token and are skipped; together
-    they are the rows data.too_long=truncate changed.
+    they are the rows data.too_long=truncate changed. `malformed` counts the malformed rows by reason
+    and keeps the first one's stream position (app/data/malformed.py).
     """
 
     num_rows: int
@@ -47,6 +49,7 @@ class DataScan:
     positions: np.ndarray | None = None
     """Stream positions (= sample ids) of the usable rows, aligned with `lengths`; the eval split
     (app/data/split.py) counts the held-out ones. None: not recorded."""
+    malformed: MalformedTally = field(default_factory=MalformedTally)
 
     @property
     def num_usable(self) -> int:
@@ -56,11 +59,18 @@ class DataScan:
         """One line for logs: usable rows, their tokens and label tokens, then every non-zero status count.
 
             data: 318/320 rows usable, 54124 tokens (12000 label tokens), truncated=5, truncated_empty=2
+            data: 40/80 rows usable, 2960 tokens (840 label tokens), malformed=40 (40 'messages[1].content
+                  is a list, not a string'; first: row 1)
         """
         parts = [f"{self.num_usable}/{self.num_rows} rows usable",
                  f"{int(self.lengths.sum())} tokens ({self.label_tokens} label tokens)"]
-        parts += [f"{status}={n}" for status, n in self.counts.items() if n and status != "ok"]
+        parts += [self._status_part(status, n) for status, n in self.counts.items() if n and status != "ok"]
         return "data: " + ", ".join(parts)
+
+    def _status_part(self, status: str, n: int) -> str:
+        """`status=n`, for malformed rows followed by their reasons and the first one."""
+        breakdown = self.malformed.breakdown() if status == "malformed" else ""
+        return f"{status}={n} ({breakdown})" if breakdown else f"{status}={n}"
 
 
 def template_settings(data: DataConfig, max_length: int) -> TemplateSettings:
@@ -127,15 +137,18 @@ def scan_dataset(dataset: Any, data: DataConfig, *, max_length: int) -> DataScan
     """One pass over a tokenized dataset's length and status columns; DataError if it cannot train.
 
     `dataset` is `tokenized_dataset(...)` (the driver materializes it first, so the planner streams the
-    same blocks and nothing is tokenized twice). Errors: any row longer than max_length with
-    data.too_long=error, or no usable row at all (names data.path).
+    same blocks and nothing is tokenized twice). Errors: more malformed rows than
+    data.max_malformed_fraction, any row longer than max_length with data.too_long=error, or no usable row
+    at all (each names data.path).
     """
     names = ("num_tokens", "raw_tokens", "label_tokens")
     statuses: list[np.ndarray] = []
     columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
-    selected = dataset.select_columns(["status", *names])
+    malformed = MalformedTally()
+    selected = dataset.select_columns(["status", "reason", *names])
     for batch in selected.iter_batches(batch_size=4096, batch_format="numpy"):
         statuses.append(np.asarray(batch["status"]).astype(str))
+        malformed.add(statuses[-1], np.asarray(batch["reason"]).astype(str))
         for name in names:
             columns[name].append(np.asarray(batch[name], dtype=np.int64))
     status = np.concatenate(statuses) if statuses else np.zeros(0, dtype=str)
@@ -144,13 +157,18 @@ def scan_dataset(dataset: Any, data: DataConfig, *, max_length: int) -> DataScan
     counts = {name: int(np.count_nonzero(status == name)) for name in ROW_STATUSES}
     usable = np.isin(status, USABLE_STATUSES)
     scan = DataScan(num_rows=len(status), lengths=num_tokens[usable], counts=counts,
-                    label_tokens=int(label_tokens[usable].sum()), positions=np.flatnonzero(usable))
+                    label_tokens=int(label_tokens[usable].sum()), positions=np.flatnonzero(usable),
+                    malformed=malformed)
     check_scan(data, scan, raw_tokens[status == "too_long"], max_length=max_length)
     return scan
 
 
 def check_scan(data: DataConfig, scan: DataScan, too_long_lengths: np.ndarray, *, max_length: int) -> None:
-    """Turn a scan that cannot train into one DataError naming the knob to change."""
+    """Turn a scan that cannot train into one DataError naming the knob to change.
+
+    Malformed rows come first: a file that cannot be read says so, not "no usable rows".
+    """
+    check_malformed(data, scan.malformed)
     if len(too_long_lengths):
         raise DataError(
             f"{len(too_long_lengths)} of {scan.num_rows} rows are longer than the maximum sequence length "
@@ -160,8 +178,7 @@ def check_scan(data: DataConfig, scan: DataScan, too_long_lengths: np.ndarray, *
             "parallel.cp_size"
         )
     if scan.num_usable == 0:
-        where = (f"data.path={data.path!r}" if data.source == "path"
-                 else f"data.source=synthetic (data.num_samples={data.num_samples})")
+        where = data_location(data)
         bad = ", ".join(f"{k}={v}" for k, v in scan.counts.items() if v)
         hints: list[str] = []
         if scan.counts.get("empty"):
@@ -171,5 +188,8 @@ def check_scan(data: DataConfig, scan: DataScan, too_long_lengths: np.ndarray, *
             hints.append(f"truncation to {max_length} tokens cut every label token away (data.too_long="
                          f"truncate, data.truncate_side={data.truncate_side}; left keeps the end of a chat): "
                          "raise data.max_length or scheduling.bucket_size * parallel.cp_size")
+        if scan.malformed.count:
+            hints.append(f"{scan.malformed.detail()} (data.max_malformed_fraction="
+                         f"{data.max_malformed_fraction})")
         raise DataError(f"no usable rows in {where} ({scan.num_rows} rows: {bad or 'none'})"
                         + "".join(f"; {hint}" for hint in hints))

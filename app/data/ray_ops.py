@@ -3,7 +3,7 @@
     ray.data.range(n) --SynthesizeBatch--> {sample_id, messages}          (data.source: synthetic)
     read_parquet / read_text / from_huggingface --> {messages | text | json_line rows}
         --TokenizeBatch--> {input_ids list<int32>, labels list<int32>, num_tokens, raw_tokens, label_tokens,
-                            status}
+                            status, reason ("" unless status is malformed)}
 
 `tokenize` and `synthesize_and_tokenize` are plain functions, so Ray Data runs them as tasks fused with the
 read into one task (an actor-pool map would be a process of its own beside the read task, ~2-4 s of CPU to
@@ -68,6 +68,7 @@ class TokenizeBatch:
             "raw_tokens": pa.array(out.raw_tokens, pa.int64()),
             "label_tokens": pa.array(out.label_tokens, pa.int64()),
             "status": pa.array(out.status, pa.string()),
+            "reason": pa.array(out.reason, pa.string()),
         })
 
     def _rows(self, batch: pa.Table) -> list[dict[str, Any]]:

@@ -33,16 +33,19 @@ Left keeps the end of the conversation, so on long-context / short-answer data (
 short answer last) the last answer survives whole whenever it fits; right keeps the start (the old rule).
 
 Status of a row (never raised: the consumer counts and skips), decided in this order:
-    malformed        wrong types, bad JSON
+    malformed        wrong types, bad JSON; `reason` says what, in a few words that do not depend on the
+                     row's position (so a scan can count rows by reason, app/data/malformed.py):
+                     "messages[1].content is a list, not a string", "no messages or text column", ...
     empty            no label token after the shift before any limit (no tokens, a one-token row, a chat
                      without an assistant turn with data.labels=assistant)
     ok               fits in max_length
     truncated        too long, data.too_long=truncate, and the window keeps >= 1 label token
     truncated_empty  too long, data.too_long=truncate, and the window keeps no label token
     dropped / too_long   too long with data.too_long = drop / error
-Only ok and truncated rows are usable (scheduling.payload.USABLE_STATUSES): each has >= 1 label token after
-truncation and the shift. Every other row carries empty ids and labels; `raw_tokens` keeps the length
-before truncation/dropping and `label_tokens` the label tokens of the ids the row carries.
+Every row that is not malformed has reason "". Only ok and truncated rows are usable
+(scheduling.payload.USABLE_STATUSES): each has >= 1 label token after truncation and the shift. Every
+other row carries empty ids and labels; `raw_tokens` keeps the length before truncation/dropping and
+`label_tokens` the label tokens of the ids the row carries.
 """
 
 from __future__ import annotations
@@ -62,7 +65,24 @@ _TRUNCATE_SIDES = ("left", "right")
 
 
 class MalformedRow(Exception):
-    """Internal: this row cannot be rendered; it is reported with status `malformed`."""
+    """Internal: this row cannot be rendered; reported with status `malformed` and str(err) as its reason."""
+
+
+def _type_name(value: Any) -> str:
+    """A JSON-ish name of a value's type for reasons: a list, a number, null, ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, Mapping):
+        return "an object"
+    if isinstance(value, (Sequence, np.ndarray)):
+        return "a list"
+    return f"a {type(value).__name__}"
 
 
 @dataclass(frozen=True)
@@ -99,6 +119,8 @@ class TokenizedRows:
     labels: list[np.ndarray] = field(default_factory=list)
     status: list[str] = field(default_factory=list)
     raw_tokens: list[int] = field(default_factory=list)
+    reason: list[str] = field(default_factory=list)
+    """Why each malformed row could not be rendered ("" for every other row)."""
 
     @property
     def num_tokens(self) -> list[int]:
@@ -128,15 +150,17 @@ def parse_record(row: Mapping[str, Any]) -> tuple[str, Any]:
     if row.get("json_line") is not None:
         try:
             row = json.loads(row["json_line"])
-        except (json.JSONDecodeError, TypeError) as err:
-            raise MalformedRow(f"invalid JSON: {err}") from None
+        except json.JSONDecodeError as err:
+            raise MalformedRow(f"bad JSON ({err.msg})") from None
+        except TypeError:
+            raise MalformedRow("bad JSON (not a text line)") from None
         if not isinstance(row, dict):
-            raise MalformedRow("a JSON line must be an object")
+            raise MalformedRow(f"a JSON line must be an object, not {_type_name(row)}")
     if row.get("messages") is not None:
         return "messages", row["messages"]
     if row.get("text") is not None:
         return "text", row["text"]
-    raise MalformedRow("row has neither `messages` nor `text`")
+    raise MalformedRow("no messages or text column")
 
 
 def render_pieces(kind: str, value: Any, tok: TextTokenizer, settings: TemplateSettings) -> list[Piece]:
@@ -144,19 +168,15 @@ def render_pieces(kind: str, value: Any, tok: TextTokenizer, settings: TemplateS
     label_all = settings.labels == "all"
     if kind == "text":
         if not isinstance(value, str):
-            raise MalformedRow("`text` must be a string")
+            raise MalformedRow(f"text is {_type_name(value)}, not a string")
         return [(value, True)] if value else []
     if isinstance(value, np.ndarray):  # Ray's numpy batches hold lists as object arrays
         value = list(value)
     if not isinstance(value, Sequence) or isinstance(value, str):
-        raise MalformedRow("`messages` must be a list of {role, content}")
+        raise MalformedRow(f"messages is {_type_name(value)}, not a list of {{role, content}}")
     pieces: list[Piece] = []
-    for message in value:
-        if not isinstance(message, Mapping):
-            raise MalformedRow("each message must be a {role, content} mapping")
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not role or "\n" in role or not isinstance(content, str):
-            raise MalformedRow("each message needs a non-empty `role` string and a `content` string")
+    for index, message in enumerate(value):
+        role, content = _check_message(index, message)
         labeled = label_all or role == "assistant"
         if not settings.chat_template:
             pieces.append((content, labeled))
@@ -165,6 +185,24 @@ def render_pieces(kind: str, value: Any, tok: TextTokenizer, settings: TemplateS
         pieces += [(im_start, label_all), (f"{role}\n", label_all), (content, labeled),
                    (im_end, labeled), ("\n", label_all)]
     return pieces
+
+
+def _check_message(index: int, message: Any) -> tuple[str, str]:
+    """(role, content) of messages[index]; MalformedRow naming the message and the field otherwise."""
+    where = f"messages[{index}]"
+    if not isinstance(message, Mapping):
+        raise MalformedRow(f"{where} is {_type_name(message)}, not a {{role, content}} object")
+    role, content = message.get("role"), message.get("content")
+    if role is None or content is None:
+        missing = "role" if role is None else "content"
+        raise MalformedRow(f"{where} has no {missing}")
+    if not isinstance(role, str):
+        raise MalformedRow(f"{where}.role is {_type_name(role)}, not a string")
+    if not role or "\n" in role:
+        raise MalformedRow(f"{where}.role is empty or holds a newline")
+    if not isinstance(content, str):
+        raise MalformedRow(f"{where}.content is {_type_name(content)}, not a string")
+    return role, content
 
 
 def _assemble(pieces: list[Piece], encoded: dict[str, list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -208,13 +246,13 @@ def _apply_limit(ids: np.ndarray, labels: np.ndarray,
 def tokenize_rows(rows: Sequence[Mapping[str, Any]], tok: TextTokenizer,
                   settings: TemplateSettings) -> TokenizedRows:
     """Tokenize a batch of rows; all texts of the batch go to the tokenizer in one `encode_batch` call."""
-    rendered: list[list[Piece] | None] = []
+    rendered: list[list[Piece] | str] = []
     texts: dict[str, None] = {}
     for row in rows:
         try:
             pieces = render_pieces(*parse_record(row), tok, settings)
-        except MalformedRow:
-            rendered.append(None)
+        except MalformedRow as err:
+            rendered.append(str(err))
             continue
         rendered.append(pieces)
         texts.update((value, None) for value, _ in pieces if isinstance(value, str))
@@ -223,7 +261,8 @@ def tokenize_rows(rows: Sequence[Mapping[str, Any]], tok: TextTokenizer,
     out = TokenizedRows()
     empty = np.zeros(0, dtype=np.int32)
     for pieces in rendered:
-        if pieces is None:
+        reason = pieces if isinstance(pieces, str) else ""
+        if isinstance(pieces, str):
             ids, labels, status, raw = empty, empty, "malformed", 0
         else:
             full_ids, full_labels = _assemble(pieces, encoded)
@@ -233,4 +272,5 @@ def tokenize_rows(rows: Sequence[Mapping[str, Any]], tok: TextTokenizer,
         out.labels.append(labels)
         out.status.append(status)
         out.raw_tokens.append(raw)
+        out.reason.append(reason)
     return out

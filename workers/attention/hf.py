@@ -42,8 +42,6 @@ def dacp_attention_forward(
     """query [B, H, S, D], key/value [B, G, S, D] -> (out [B, S, H, D], None)."""
     if dropout:
         raise ValueError("the dacp attention has no dropout: set the model config's attention_dropout to 0")
-    if kwargs.get("sliding_window"):
-        raise ValueError("the dacp attention does not implement sliding-window layers (use_sliding_window)")
     if "dacp_layout" in kwargs:
         # The keyword before DacpIndex: a layout would be re-indexed by every layer (host work per layer).
         raise TypeError("pass dacp_index=DacpIndex.build(layout, device) per micro-batch, not dacp_layout")
@@ -54,6 +52,13 @@ def dacp_attention_forward(
     if dacp_index is None and runtime is not None:
         runtime = runtime.single_rank()  # whole rows, not shards: the ring has nothing to exchange
     index = dacp_index or whole_row_index(query.shape[2], query.device)
+    window = kwargs.get("sliding_window")
+    if window and window < index.layout.shortest_longest_sequence:
+        # A window at least as long as every sequence is full causal attention: such models pass preflight
+        # (app/model_support.py refuses shorter windows before Ray starts); this is the safety net.
+        longest = index.layout.shortest_longest_sequence
+        raise ValueError(f"the dacp attention has no sliding window: a {window}-token window is shorter "
+                         f"than a {longest}-token sequence of this micro-batch")
     outs = []
     for b in range(batch):
         out, _ = dacp_attention(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1),

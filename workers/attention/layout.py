@@ -33,6 +33,13 @@ class DacpLayout:
             raise ValueError("sequence lengths and chunk lengths in a DacpLayout must be >= 1")
 
     @property
+    def shortest_longest_sequence(self) -> int:
+        """A lower bound on the longest sequence's true length: a local one's exact length, a distributed
+        one's padded length 2N * c_i minus the at most 2N - 1 pad tokens it may hold."""
+        padded = max((2 * self.cp_size * c for c in self.dist_chunk_lens), default=0)
+        return max((*self.local_lens, padded - 2 * self.cp_size + 1), default=0)
+
+    @property
     def num_local_tokens(self) -> int:
         return sum(self.local_lens)
 
