@@ -25,8 +25,13 @@ from scheduling.payload import IGNORE_INDEX
 # measured ~1e-7..1e-6 relative, so 1e-5 leaves headroom while catching any real mistake (a leaked
 # token or a missing gradient block moves gradients by >1e-2). bf16: the sharded run computes in bf16
 # (8 mantissa bits, ~4e-3 per rounding, compounded over layers) against an fp32 reference of the
-# same bf16 weights, so 5e-2 relative.
+# same bf16 weights, so 5e-2 relative, or BF16_FLOOR_FACTOR x the HF model's own bf16 error when that is
+# larger: the error bf16 itself makes grows with depth (measured on CPU, hidden 256, lengths 3/300/900: the
+# HF model's own bf16 gradients 1.5e-2 off the fp32 reference at 4 layers, 2.2e-2 at 12; ours 1.9e-2 and
+# 2.0e-2), and Qwen2.5-0.5B's 24 layers gave ours 5.6e-2 on an H200: a fixed bound would fail a correct
+# kernel on deep models, the floor never passes one worse than bf16 explains.
 TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2}
+BF16_FLOOR_FACTOR = 1.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,23 +121,36 @@ def _rank(rank: int, world: int, spec: ParitySpec, weights: str, plan, ids, labe
     return {"loss": loss.item(), "grads": grads, "tokens": batch.num_tokens}
 
 
-def _reference(spec: ParitySpec, weights: str, ids, labels, total: int) -> tuple[float, dict]:
+def _reference(spec: ParitySpec, weights: str, ids, labels, total: int, *, fp32: bool = True,
+               device: str = "cpu") -> tuple[float, dict]:
+    """The HF model's own loss and gradients ("sdpa" attention, one sequence at a time): in fp32 (the
+    reference), or in the spec's dtype (the error that dtype alone makes), on `device`; grads on the CPU."""
     import torch
 
-    model = _build(spec, attn="sdpa").float()
+    model = _build(spec, attn="sdpa")
     state = torch.load(weights, weights_only=True)
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    loss = torch.zeros(())
+    if fp32:
+        model, state = model.float(), {k: v.float() for k, v in state.items()}
+    model.load_state_dict(state)
+    model.to(device)
+    loss = torch.zeros((), device=device)
     for seq, lab in zip(ids, labels, strict=True):
-        out = model(input_ids=torch.tensor([seq]), labels=torch.tensor([lab]), use_cache=False,
-                    num_items_in_batch=torch.tensor(total))
+        out = model(input_ids=torch.tensor([seq], device=device), labels=torch.tensor([lab], device=device),
+                    use_cache=False, num_items_in_batch=torch.tensor(total, device=device))
         loss = loss + out.loss
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _max_rel_diff(grads: dict, ref_grads: dict) -> float:
+    return max(float((grads[n] - ref).abs().max()) / max(float(ref.abs().max()), 1e-30)
+               for n, ref in ref_grads.items())
 
 
 def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
-    """Run the check; returns diffs, per-parameter stats, the plan and ok (within TOLERANCE).
+    """Run the check; returns diffs, per-parameter stats, the plan and ok (within TOLERANCE; in bf16 the
+    gradient bound is the larger of TOLERANCE and BF16_FLOOR_FACTOR x hf_own_grad_max_rel_diff, the HF
+    model's own bf16 gradients against the same fp32 reference).
 
     backend: gloo (every rank on CPU) or nccl (one GPU per rank); None: nccl when CUDA is available.
     """
@@ -151,6 +169,11 @@ def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
         ranks = run_workers(_rank, spec.cp_size, args=(spec, weights, plan, ids, labels, total),
                             backend=backend)
         ref_loss, ref_grads = _reference(spec, weights, ids, labels, total)
+        floor = None
+        if spec.dtype == "bf16":  # the same model in bf16, on the device the ranks ran on
+            device = "cuda" if backend == "nccl" or (backend is None and torch.cuda.is_available()) else "cpu"
+            _, own = _reference(spec, weights, ids, labels, total, fp32=False, device=device)
+            floor = _max_rel_diff(own, ref_grads)
     loss = sum(r["loss"] for r in ranks)
     params = {}
     for name, ref in ref_grads.items():
@@ -158,15 +181,18 @@ def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
         diff = float((ours - ref).abs().max())
         params[name] = {"abs": diff, "rel": diff / max(float(ref.abs().max()), 1e-30)}
     tol = TOLERANCE[spec.dtype]
+    loss_tol = tol
+    if floor is not None:
+        tol = max(tol, BF16_FLOOR_FACTOR * floor)
     loss_abs = abs(loss - ref_loss)
     result = {
         "loss": loss, "ref_loss": ref_loss, "loss_abs_diff": loss_abs,
         "grad_max_abs_diff": max(p["abs"] for p in params.values()),
         "grad_max_rel_diff": max(p["rel"] for p in params.values()),
         "tolerance": tol, "params": params, "plan": plan.to_dict() if hasattr(plan, "to_dict") else None,
-        "rank_tokens": [r["tokens"] for r in ranks],
+        "rank_tokens": [r["tokens"] for r in ranks], "hf_own_grad_max_rel_diff": floor,
     }
-    result["ok"] = bool(loss_abs <= tol * max(1.0, abs(ref_loss)) and result["grad_max_rel_diff"] <= tol
+    result["ok"] = bool(loss_abs <= loss_tol * max(1.0, abs(ref_loss)) and result["grad_max_rel_diff"] <= tol
                         and len(params) == sum(p.requires_grad for p in model.parameters()))
     return result
 
