@@ -45,7 +45,8 @@ WARMUP_LRS = scheduled_lrs(LR, WARMUP, STEPS, kind="constant")
 # milliseconds, ranks that start within a second or two of each other), short enough not to idle.
 HUNG_TIMEOUT_S = 10
 COMMON = [f"data.num_samples={NUM_SAMPLES}", "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}",
-          "parallel.cp_size=1", "parallel.num_workers=2", SMALL_VOCAB, f"train.warmup_steps={WARMUP}"]
+          "parallel.cp_size=1", "parallel.num_workers=2", SMALL_VOCAB, f"train.warmup_steps={WARMUP}",
+          "train.lr=3e-3"]  # configs/tiny-cpu.yaml's, as written in the file too: YAML 1.2 floats train
 
 
 def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
