@@ -16,12 +16,15 @@ from app.hardware import cost_model, load_hardware_profile
 from app.profile_steps import STEP_POLICIES, fitted_cost, planned_steps, scaled_fields
 from scheduling import simulate
 from scheduling.calibrate import fit_step_scale, fit_two_regime
+from tests.run_configs import SMALL_VOCAB
 
 TRUTH = {"mfu": 0.2, "micro_batch_launch_s": 0.004, "intra_node_latency_s": 1e-4,
          "intra_node_comm_offset_s": 2e-5, "intra_node_bandwidth": 2e9, "ring_overlap": 0.6,
          "grad_reduce_bandwidth": 1e9,
          "optimizer_s_per_param": 2e-8, "activation_bytes_per_hidden": 300.0}
-TINY = ["scheduling.cost_formula=model", "model.vocab_size=773"]
+TINY = ["scheduling.cost_formula=model", "model.vocab_size=773", SMALL_VOCAB]
+"""A 773-word model with its 773-word tokenizer (`plan` refuses a tokenizer whose ids the model cannot
+embed)."""
 
 
 def _raw(config) -> dict:
