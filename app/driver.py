@@ -216,8 +216,10 @@ def planner_actor(config: SkrullConfig, dataset: Any, total_steps: int, name: st
                   eval_dataset: Any = None) -> Any:
     """A PlannerActor for config.scheduling.policy over the materialized `dataset`, on the driver's node.
 
-    The planner skips the rows data.eval_fraction holds out; `eval_dataset` is data.eval_path's
-    materialized rows (PreparedData.eval_dataset), the eval set instead of the held-out rows.
+    The planner skips the rows data.eval_fraction holds out and, with data.shuffle (file and hub data),
+    visits each epoch in a permutation seeded by (data.seed, epoch) (scheduling/order.py); `eval_dataset`
+    is data.eval_path's materialized rows (PreparedData.eval_dataset), the eval set instead of the
+    held-out rows, planned in stream order.
     """
     from app.hardware import cost_model
     from scheduling.actor import PlannerActor, PlannerSettings
@@ -227,7 +229,8 @@ def planner_actor(config: SkrullConfig, dataset: Any, total_steps: int, name: st
         policy=sched.policy, dp_size=par.dp_size, cp_size=par.cp_size, bucket_size=sched.bucket_size,
         global_batch_size=sched.global_batch_size, total_steps=total_steps, prefetch=sched.prefetch,
         seed=sched.seed, static_cp_micro_batch=sched.static_cp_micro_batch,
-        eval_fraction=config.data.eval_fraction, holdout_seed=config.data.seed,
+        eval_fraction=config.data.eval_fraction, data_seed=config.data.seed,
+        shuffle=config.data.shuffle and config.data.source != "synthetic",  # synthetic: random already
     )
     # Ray restarts a dead planner actor (a fresh one, planning from the run's start); the workers' own
     # restart then moves it to the checkpoint's cursor. Calls are never retried: a payload call answered
@@ -378,6 +381,17 @@ def _train_locked(config: SkrullConfig, name: str, *, progress: bool, quiet: boo
             return _run(config, name, run_dir, progress=progress, worker_logs=worker_logs, out=terminal)
 
 
+def _log_example_row(config: SkrullConfig, dataset: Any) -> None:
+    """One training row, decoded, loss-bearing text in [[ ]], to stdout: the run's log under a quiet terminal
+    (app/console.py), so what the model trains on is on record without cluttering the terminal."""
+    from app.data.preview import first_usable_example
+    from app.data.tokenizer import load_tokenizer
+
+    example = first_usable_example(dataset, load_tokenizer(config.data.tokenizer))
+    if example is not None:
+        print(f"example training row (loss on [[...]]):\n{example}", flush=True)
+
+
 @contextlib.contextmanager
 def run_console(run_dir: Path, *, quiet: bool, out: TextIO | None, existed: bool,
                 remote: Location | None = None) -> Iterator[TextIO]:
@@ -510,6 +524,7 @@ def prepared_data(config: SkrullConfig, *, progress: bool, out: TextIO, embedded
     scan = scan_dataset(dataset, config.data, max_length=config.max_sequence_length)
     if progress:
         print(scan.summary(), file=out, flush=True)
+        _log_example_row(config, dataset)
     eval_dataset, eval_path_rows = _eval_path_dataset(config, progress=progress, out=out)
     counts = split_counts(scan.positions, config.data, eval_path_rows=eval_path_rows)
     if progress and config.data.eval_fraction:
@@ -543,6 +558,14 @@ def _eval_path_dataset(config: SkrullConfig, *, progress: bool, out: TextIO) -> 
     if progress:
         print(scan.summary().replace("data:", "eval data:", 1), file=out, flush=True)
     return dataset, scan.num_usable
+
+
+def _stale_profile_check(config: SkrullConfig, run_dir: Path | None, total_steps: int) -> Any:
+    """The run's stale-profile check (app/profile_check.py); `profile` takes the run's saved config."""
+    from app.profile_check import StaleProfileCheck
+
+    saved = str(run_dir / CONFIG_SNAPSHOT) if run_dir is not None else "<the run's config>"
+    return StaleProfileCheck(profile=config.hardware.profile, config=saved, total_steps=total_steps)
 
 
 def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_steps: int, *, progress: bool,
@@ -587,7 +610,8 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
     status = "FAILED"
     try:
         with ProgressBar(monitor, total_steps, enabled=progress, file=out, sinks=sinks,
-                         start_sinks=(run_log.group_started,) if run_log else ()) as bar, \
+                         start_sinks=(run_log.group_started,) if run_log else (),
+                         line_sinks=(_stale_profile_check(config, run_dir, total_steps),)) as bar, \
                 _environment(timeout):
             result = _fit_interruptibly(trainer)
         status = "FINISHED"

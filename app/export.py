@@ -142,6 +142,19 @@ def _prepare_for_inference(model: Any, dtype: str, tokenizer: Any) -> Any:
     return model
 
 
+def _trained_template(run_dir: str, config: Any) -> str | None:
+    """The template text the run recorded at its start (app/preflight.py TEMPLATE_SNAPSHOT); a run from
+    before that record resolves data.chat_template again."""
+    from app.export_tokenizer import run_chat_template
+    from app.preflight import TEMPLATE_SNAPSHOT
+    from workers.storage import Location
+
+    recorded = Location.of(run_dir) / TEMPLATE_SNAPSHOT
+    if recorded.exists():
+        return recorded.read_text()
+    return run_chat_template(config.data)
+
+
 def export(run_dir: str, out: str, *, checkpoint: str = "latest", dtype: str | None = None,
            merge: bool = False) -> ExportResult:
     """Write the export into `out` (see the module docstring); returns what was written."""
@@ -163,7 +176,7 @@ def export(run_dir: str, out: str, *, checkpoint: str = "latest", dtype: str | N
     kind = "merged" if merge else "adapter" if lora else "model"
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.export-", dir=target.parent))
     try:
-        tokenizer = save_tokenizer(config.data.tokenizer, config.data.chat_template, staging)
+        tokenizer = save_tokenizer(config.data.tokenizer, _trained_template(run_dir, config), staging)
         if kind == "adapter":
             model.to(DTYPES[dtype]).save_pretrained(str(staging))  # adapter_config.json + safetensors
         else:

@@ -6,10 +6,12 @@
     data.tokenizer = x/tokenizer.json PreTrainedTokenizerFast around that file
     data.tokenizer = HF dir / hub id  AutoTokenizer, saved again by its own save_pretrained
 
-With data.chat_template the saved tokenizer carries the ChatML template the run rendered messages with
-(`<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, no default system message), so
-`apply_chat_template(messages)` gives the ids the run trained on, and `add_generation_prompt=True` opens an
-assistant turn. The chat-tuned end of an answer is `<|im_end|>`, so it is the eos token then.
+The saved tokenizer carries the chat template the run rendered its chats with (`run_chat_template`:
+data.chat_template resolved for data.tokenizer, app/data/chat_template.py; none for data.chat_template=none),
+so `apply_chat_template(messages)` gives the ids the run trained on and `add_generation_prompt=True` opens
+an assistant turn. The token that ends the template's assistant turns (ChatML's `<|im_end|>`, Llama-3's
+`<|eot_id|>`) is what a chat-tuned model emits to stop, so it becomes the eos token (the previous eos the
+pad token, when there was none).
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from app.data.tokenizer import END_OF_TEXT, IM_END, load_tokenizer
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+from app.config import DataConfig
+from app.data.chat_template import (
+    end_of_turn,
+    is_template_file,
+    read_template_file,
+    resolve_template,
+    template_of,
 )
-"""The run's chat rendering (app/data/template.py) as a jinja chat template."""
+from app.data.tokenizer import END_OF_TEXT, load_tokenizer
 
 
 def _qwen_fast_tokenizer(encoding: Any) -> Any:
@@ -51,12 +53,18 @@ def _qwen_fast_tokenizer(encoding: Any) -> Any:
     return tokenizer
 
 
-def hf_tokenizer(name: str, chat_template: bool) -> Any:
-    """A transformers tokenizer equivalent to `load_tokenizer(name)`, with the run's chat template."""
+def run_chat_template(data: DataConfig) -> str | None:
+    """The Jinja text data.chat_template resolves to for data.tokenizer (None for data.chat_template=none)."""
+    text = read_template_file(data.chat_template) if is_template_file(data.chat_template) else ""
+    return resolve_template(load_tokenizer(data.tokenizer), data.chat_template, text).text
+
+
+def hf_tokenizer(name: str, chat_template: str | None) -> Any:
+    """A transformers tokenizer equivalent to `load_tokenizer(name)`, carrying `chat_template` (the run's
+    resolved template text, `run_chat_template`; None: no template) and its end-of-turn token as eos."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     run_tok = load_tokenizer(name)
-    has_chat = run_tok.im_start_id is not None and run_tok.im_end_id is not None
     if run_tok.kind == "tiktoken":
         tok = PreTrainedTokenizerFast(tokenizer_object=_qwen_fast_tokenizer(run_tok.backend._tokenizer),
                                       pad_token=END_OF_TEXT, eos_token=END_OF_TEXT)
@@ -64,18 +72,21 @@ def hf_tokenizer(name: str, chat_template: bool) -> Any:
         tok = PreTrainedTokenizerFast(tokenizer_file=name)
     else:
         tok = AutoTokenizer.from_pretrained(name)
-    if chat_template and has_chat:
-        tok.chat_template = CHATML_TEMPLATE
-        tok.eos_token = IM_END
-        if tok.pad_token is None and run_tok.eos_id is not None:
-            tok.pad_token = tok.convert_ids_to_tokens(run_tok.eos_id)
-    elif tok.eos_token is None and run_tok.eos_id is not None:
+    if tok.eos_token is None and run_tok.eos_id is not None:
         tok.eos_token = tok.convert_ids_to_tokens(run_tok.eos_id)
+    tok.chat_template = chat_template
+    if chat_template is not None:
+        stop = end_of_turn(template_of(run_tok, chat_template, "the run's chat template"), run_tok)
+        if stop != tok.eos_token:
+            if tok.pad_token is None and tok.eos_token is not None:
+                tok.pad_token = tok.eos_token
+            tok.eos_token = stop
     return tok
 
 
-def save_tokenizer(name: str, chat_template: bool, out: Path) -> Any:
-    """Write the tokenizer files into `out`; returns the tokenizer (its eos/pad ids go to the model)."""
+def save_tokenizer(name: str, chat_template: str | None, out: Path) -> Any:
+    """Write the tokenizer files into `out`; returns the tokenizer (its eos/pad ids go to the model).
+    `chat_template`: the run's resolved template text (`run_chat_template`)."""
     tok = hf_tokenizer(name, chat_template)
     tok.save_pretrained(str(out))
     return tok

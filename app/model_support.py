@@ -19,6 +19,8 @@ model never computes. Refused (`attention_problems`, `logit_problems`), each nam
 - layers that are not softmax attention at all (`layer_types` other than full / sliding attention:
   linear attention, Mamba, convolution layers of hybrid models);
 - attention dropout (`attention_dropout` > 0): the kernel has none;
+- longrope / dynamic RoPE scaling past `original_max_position_embeddings` (Phi-3-128k, Phi-3.5/4-mini):
+  its frequencies follow the longest position of the whole packed call, not each sequence's;
 - logits the model scales or caps after its LM head (`final_logit_softcapping`, Cohere `logit_scale`,
   Granite `logits_scaling`): the chunked loss applies the LM head alone and would train other logits.
 
@@ -166,9 +168,26 @@ def dropout_problem(hf: HfConfig, max_len: int) -> str | None:
     return None
 
 
+def length_dependent_rope_problem(hf: HfConfig, max_len: int) -> str | None:
+    """RoPE whose frequencies depend on the batch's longest position (`rope_scaling` longrope / dynamic,
+    Phi-3-128k, Phi-3.5/4-mini): transformers picks them from max(position_ids) of the whole call, which in
+    a packed DACP stream is the longest sequence on the rank, not each sequence's own length (measured: a
+    13-token sequence packed beside a 97-token one drifted 2.7e-3 from HF's own forward). Exact while no
+    sequence passes `original_max_position_embeddings`, where the choice cannot flip."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    kind = rope.get("rope_type") or rope.get("type") if isinstance(rope, dict) else None
+    if kind not in ("longrope", "dynamic"):
+        return None
+    original = rope.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+    if isinstance(original, int) and max_len <= original:
+        return None
+    return (f"{kind} RoPE scaling (rope_scaling) past original_max_position_embeddings={original}, shorter "
+            f"than the run's max sequence length {max_len}")
+
+
 ATTENTION_RULES: tuple[Callable[[HfConfig, int], str | None], ...] = (
     sliding_window_problem, chunked_attention_problem, softcap_problem, sinks_problem, non_causal_problem,
-    layer_kind_problem, dropout_problem,
+    layer_kind_problem, dropout_problem, length_dependent_rope_problem,
 )
 """Each rule: (config.json, the run's max sequence length) -> the unsupported feature, or None."""
 
@@ -204,7 +223,8 @@ def check_model_math(config: SkrullConfig, hf: HfConfig | None = None) -> None:
     if not problems:
         return
     kind = f" ({hf['model_type']})" if hf.get("model_type") else ""
-    windows = [rule(hf, max_len) for rule in (sliding_window_problem, chunked_attention_problem)]
+    windows = [rule(hf, max_len) for rule in (sliding_window_problem, chunked_attention_problem,
+                                              length_dependent_rope_problem)]
     windows = [found for found in windows if found]
     fix = "choose another model.name_or_path"
     if len(windows) == len(problems):

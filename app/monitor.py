@@ -34,12 +34,14 @@ class ProgressBar:
 
     def __init__(self, monitor: Any, total_steps: int, *, enabled: bool = True, file: TextIO | None = None,
                  poll_s: float = 0.5, sinks: tuple[Callable[[dict[str, Any]], None], ...] = (),
-                 start_sinks: tuple[Callable[[dict[str, Any]], None], ...] = ()) -> None:
+                 start_sinks: tuple[Callable[[dict[str, Any]], None], ...] = (),
+                 line_sinks: tuple[Callable[[dict[str, Any]], str | None], ...] = ()) -> None:
         from tqdm import tqdm
 
         self._monitor = monitor
         self._sinks = sinks  # each new record also goes to these (metrics.jsonl, TensorBoard, MLflow)
         self._start_sinks = start_sinks  # each new start of the worker group goes to these
+        self._line_sinks = line_sinks  # each new record goes to these; a line they return is printed
         self.starts: list[dict[str, Any]] = []
         self._bar = tqdm(total=total_steps, desc="train", unit="step", disable=not enabled, file=file)
         self._file = file  # tqdm.write prints to stdout unless told: `--json` keeps stdout for the summary
@@ -87,6 +89,10 @@ class ProgressBar:
                 self._bar.write(restart_line(previous, metrics))
             if metrics.get("update_skipped") and not metrics.get("stopped"):
                 self._bar.write(skipped_line(metrics), file=self._file)
+            for line_sink in self._line_sinks:
+                line = line_sink(metrics)
+                if line:
+                    self._bar.write(line, file=self._file)
             self._bar.n = int(metrics["step"])  # a restarted group re-trains steps after its checkpoint
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -26,13 +27,15 @@ from app.config import ConfigError, SkrullConfig
 from scheduling import POLICIES, CostModel, SchedulingError, StepEstimate, plan_step, sample_lengths, simulate
 
 COLUMNS = (
-    ("policy", "{}"), ("modeled_step_s", "{:.4f}"), ("speedup_vs_static_cp", "{:.2f}x"),
+    ("policy", "{}"), ("modeled_step_s", "{:.4f}"), ("speedup_vs_balanced_packed", "{:.2f}x"),
+    ("speedup_vs_static_cp", "{:.2f}x"),
     ("speedup_vs_static_cp_packed", "{:.2f}x"), ("speedup_vs_sorted", "{:.2f}x"),
     ("bound_ratio_feasible", "{:.3f}"), ("bound_ratio", "{:.3f}"), ("bound_ratio_median", "{:.3f}"),
     ("dp_imbalance", "{:.3f}"), ("cp_imbalance", "{:.3f}"), ("distributed_token_fraction", "{:.3f}"),
     ("micro_batches", "{:.1f}"), ("plan_ms_median", "{:.2f}"), ("plan_ms_p99", "{:.2f}"),
 )
-HEADERS = ("policy", "step s", "vs static", "vs packed", "vs sorted", "bound", "perfect bal", "p. bal p50",
+HEADERS = ("policy", "step s", "vs balanced", "vs static", "vs packed", "vs sorted", "bound", "perfect bal",
+           "p. bal p50",
            "DP imb", "CP imb",
            "dist frac", "mb/rank", "plan ms p50", "plan ms p99")
 
@@ -86,7 +89,14 @@ def apply_too_long(lengths: np.ndarray, config: SkrullConfig) -> tuple[np.ndarra
 
 
 def sample_batches(config: SkrullConfig) -> tuple[list[np.ndarray], TooLongReport]:
-    """plan.num_batches global batches of scheduling.global_batch_size lengths from the data source.
+    """plan.num_batches global batches of scheduling.global_batch_size lengths from the data source."""
+    batches, report, _ = sample_batches_with_data(config)
+    return batches, report
+
+
+def sample_batches_with_data(config: SkrullConfig) -> tuple[list[np.ndarray], TooLongReport, dict[str, Any]]:
+    """sample_batches, plus what the rows read were ({"rows", "usable_rows", "formats", "malformed"}:
+    app/data/lengths.py LocalScan, `plan --json`'s "data").
 
     Also returns what data.too_long did to the sampled sequences. The synthetic source draws twice the
     sequences needed so that too_long=drop still fills the batches; with truncate only the planned ones
@@ -94,15 +104,18 @@ def sample_batches(config: SkrullConfig) -> tuple[list[np.ndarray], TooLongRepor
     """
     num, size = config.plan.num_batches, config.scheduling.global_batch_size
     data = config.data
-    if data.source == "path":
-        from app.data.lengths import dataset_token_lengths  # another component; only needed for real data
+    if data.source != "synthetic":
+        from app.data.lengths import scan_local  # another component; only needed for real data
 
-        lengths = np.asarray(dataset_token_lengths(data, limit=num * size), dtype=np.int64)
+        scan = scan_local(data, limit=num * size)
+        lengths, read = np.asarray(scan.lengths, dtype=np.int64), scan.as_json()
     else:
         raw = sample_lengths(data.distribution, 2 * num * size, data.seed)  # spare rows for too_long=drop
         lengths = np.maximum(1, np.round(raw * data.length_scale)).astype(np.int64)
         if data.too_long == "truncate":
             lengths = lengths[: num * size]
+        read = {"rows": len(lengths), "usable_rows": len(lengths), "formats": {"synthetic": len(lengths)},
+                "malformed": None}
     sampled = len(lengths)
     lengths, changed = apply_too_long(lengths, config)
     report = TooLongReport(mode=data.too_long, rows=changed, limit=config.max_sequence_length,
@@ -113,7 +126,7 @@ def sample_batches(config: SkrullConfig) -> tuple[list[np.ndarray], TooLongRepor
             + (f" ({changed} of {sampled} dropped by data.too_long=drop)" if data.too_long == "drop" else "")
         )
     count = min(num, len(lengths) // size)
-    return [lengths[b * size:(b + 1) * size] for b in range(count)], report
+    return [lengths[b * size:(b + 1) * size] for b in range(count)], report, read
 
 
 @dataclass
@@ -150,6 +163,7 @@ def summarize(runs: dict[str, PolicyRun]) -> dict[str, dict[str, float]]:
         est = run.estimates
         out[policy] = {
             "modeled_step_s": run.total_s / len(est),
+            "speedup_vs_balanced_packed": runs["balanced_packed"].total_s / run.total_s,
             "speedup_vs_static_cp": runs["static_cp"].total_s / run.total_s,
             "speedup_vs_static_cp_packed": runs["static_cp_packed"].total_s / run.total_s,
             "speedup_vs_sorted": runs["sorted"].total_s / run.total_s,
@@ -200,11 +214,14 @@ def plot_ranks(runs: dict[str, PolicyRun], path: str) -> None:
     plt.close(fig)
 
 
-def plan_dry_run(config: SkrullConfig, cost: CostModel) -> tuple[dict[str, PolicyRun], dict, TooLongReport]:
-    """Sample, plan and model; SchedulingError becomes a ConfigError (it names the knob already)."""
-    batches, too_long = sample_batches(config)
+def plan_dry_run(config: SkrullConfig,
+                 cost: CostModel) -> tuple[dict[str, PolicyRun], dict, TooLongReport, dict[str, Any]]:
+    """Sample, plan and model; SchedulingError becomes a ConfigError (it names the knob already).
+
+    Returns the runs, their summary, what data.too_long did, and what the rows read were."""
+    batches, too_long, read = sample_batches_with_data(config)
     try:
         runs = run_policies(config, cost, batches)
     except SchedulingError as err:
         raise ConfigError(str(err)) from None
-    return runs, summarize(runs), too_long
+    return runs, summarize(runs), too_long, read

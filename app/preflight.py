@@ -71,6 +71,8 @@ CONFIG_SNAPSHOT = "skrull_config.json"
 DATA_SNAPSHOT = "skrull_data.json"
 """The data the run started with: {"data.path": fingerprint, "data.eval_path": fingerprint or absent}
 (app/data/fingerprint.py), compared like the math keys; a run without one (older) resumes unchecked."""
+TEMPLATE_SNAPSHOT = "chat_template.jinja"
+"""The chat template the run rendered its chats with (absent: data.chat_template=none, or an older run)."""
 MATH_KEYS = (
     "model.name_or_path", "model.random_init", "model.dtype", "model.vocab_size", "model.hidden_size",
     "model.num_layers", "model.num_attention_heads", "model.num_key_value_heads", "model.intermediate_size",
@@ -78,10 +80,20 @@ MATH_KEYS = (
     "data.length_scale", "data.tokenizer", "data.chat_template", "data.labels", "data.max_length",
     "data.too_long", "data.truncate_side", "scheduling.global_batch_size", "train.lr", "train.weight_decay",
     "train.warmup_steps", "train.grad_clip", "train.seed", "train.zero_stage",
-    "data.eval_fraction", "data.eval_path",
+    "data.eval_fraction", "data.eval_path", "data.shuffle", "data.format_type", "data.columns",
+    "data.add_eos",
+    "data.name", "data.split", "data.data_files",
     "model.lora.r", "model.lora.alpha", "model.lora.dropout", "model.lora.target_modules",
 )
 """Keys that change what a step computes; resuming with another value needs train.allow_config_change."""
+
+
+LEGACY_VALUES: dict[str, Any] = {"data.shuffle": False, "data.format_type": "auto", "data.add_eos": False}
+"""What a run snapshotted before a key existed did, where that differs from today's default: it read its
+file data in stream order, and appended no EOS to `text` rows."""
+LEGACY_RENAMES: dict[tuple[str, bool], str] = {("data.chat_template", True): "chatml",
+                                               ("data.chat_template", False): "none"}
+"""data.chat_template was a bool: true rendered ChatML, false plain text."""
 
 
 def run_storage(config: SkrullConfig, name: str) -> Location:
@@ -169,7 +181,10 @@ def _changed_math(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
     def value(tree: dict[str, Any], key: str) -> Any:
         found = _dotted(tree, key)
-        found = _dotted(defaults, key) if found is None else found
+        if found is None:
+            found = LEGACY_VALUES[key] if key in LEGACY_VALUES else _dotted(defaults, key)
+        found = LEGACY_RENAMES.get((key, found), found) if isinstance(found, bool) else found
+        found = list(found) if isinstance(found, tuple) else found  # the JSON snapshot holds lists
         return redact_uri(found) if isinstance(found, str) else found
 
     return [f"{key}: {value(before, key)!r} -> {value(now, key)!r}" for key in MATH_KEYS
@@ -214,7 +229,22 @@ def write_snapshot(config: SkrullConfig, run_dir: str | Path | Location, data: d
         snapshot.write_text(json.dumps(record, indent=1))
     if data is not None and (fresh or not (run_dir / DATA_SNAPSHOT).exists()):
         (run_dir / DATA_SNAPSHOT).write_text(json.dumps(data, indent=1))
+    if fresh or not (run_dir / TEMPLATE_SNAPSHOT).exists():
+        _write_template_snapshot(config, run_dir)
     return replaced
+
+
+def _write_template_snapshot(config: SkrullConfig, run_dir: Location) -> None:
+    """The chat template text the run renders with (app/export_tokenizer.py run_chat_template), so that
+    `export` ships exactly it even when the Jinja file or the tokenizer's template changed since."""
+    from app.export_tokenizer import run_chat_template
+
+    text = run_chat_template(config.data)
+    target = run_dir / TEMPLATE_SNAPSHOT
+    if text is not None:
+        target.write_text(text)
+    elif target.exists():
+        target.delete()
 
 
 _REMOTE_HINT = ("check that the bucket exists, the endpoint (endpoint_override=HOST:PORT&scheme=http in the "
@@ -270,7 +300,10 @@ def preflight(config: SkrullConfig) -> dict[str, Any]:
     Returns the data fingerprints of the run ({"data.path": ..., "data.eval_path": ...}, the second only
     with data.eval_path; app/data/fingerprint.py), read from the files the checks resolved.
     """
+    from app.data.chat_template import check_chat_template
     from app.data.fingerprint import data_fingerprint
+    from app.data.formats import check_format_settings
+    from app.data.pipeline import template_settings
     from app.data.readers import resolve_source
     from app.data.tokenizer import load_tokenizer
     from app.hardware import load_hardware_profile
@@ -282,9 +315,12 @@ def preflight(config: SkrullConfig) -> dict[str, Any]:
     check_mlflow(config.train.mlflow_uri)
     check_wandb(config.train.wandb_project)
     check_model_source(config.model)
-    source = resolve_source(config.data) if config.data.source == "path" else None
+    check_format_settings(config.data.format_type, config.data.columns)  # app/data/formats/
+    source = resolve_source(config.data) if config.data.source != "synthetic" else None
     eval_source = check_eval_source(config)
-    check_model_support(config, load_tokenizer(config.data.tokenizer))  # app/model_support.py
+    tokenizer = load_tokenizer(config.data.tokenizer)
+    check_model_support(config, tokenizer)  # app/model_support.py
+    check_chat_template(tokenizer, template_settings(config.data, None))  # app/data/chat_template.py
     load_hardware_profile(config.hardware.profile)
     fingerprints = {"data.path": data_fingerprint(config.data, source)}
     if eval_source is not None:

@@ -17,6 +17,9 @@ worker group re-trains the steps after its checkpoint) counts once, with its las
     stopped (why the run stopped early, as `train` said it: a non-finite step, a full disk; or null),
     tokens_per_s (all tokens / all step time, as `train` prints it), tokens_per_s_median,
     tokens_per_s_per_worker_median, step_s_median, mfu_median, padding_fraction_mean,
+    predicted_step_s_median (the hardware profile's time of the steps' plans), profile_ratio (median of
+    predicted / measured step time over the first steps: app/profile_check.py; off by more than 30%, the
+    profile is stale),
     compute_imbalance_median, compute_imbalance_max,
     planner_ahead_steps_median, planner_ahead_steps_min, planner_wait_s_median, plan_ms_median,
     starts (worker-group starts), restarts (starts beyond the first of each `train` call: failures and
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import ConfigError
+from app.profile_check import STALE_STEPS, STALE_TOLERANCE, median_ratio
 from app.run_files import is_run_dir, read_run
 from app.tensorboard_log import scalars
 
@@ -148,6 +152,9 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
         "tokens_per_s_median": _median(_values(history, "tokens_per_s")),
         "tokens_per_s_per_worker_median": _median(v for v in per_worker if v is not None),
         "step_s_median": _median(step_s), "mfu_median": _median(_values(history, "mfu")),
+        "predicted_step_s_median": _median(_values(history, "predicted_step_s")),
+        "profile_ratio": median_ratio((h.get("predicted_step_s", math.nan), h.get("step_s", math.nan))
+                                      for h in history[:STALE_STEPS]),
         "padding_fraction_mean": _mean(_values(history, "padding_fraction")),
         "compute_imbalance_median": _median(imbalance), "compute_imbalance_max": max(imbalance, default=None),
         "planner_ahead_steps_median": _median(ahead), "planner_ahead_steps_min": min(ahead, default=None),
@@ -198,7 +205,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         *_lr_lines(r),
         f"tokens/s  {_fmt(r['tokens_per_s'], '.0f')} overall, median step "
         f"{_fmt(r['tokens_per_s_median'], '.0f')} ({_fmt(r['tokens_per_s_per_worker_median'], '.0f')} per "
-        f"worker), step {_fmt(r['step_s_median'])} s",
+        f"worker), step {_fmt(r['step_s_median'])} s{_profile_note(r)}",
         f"          {sparkline(tokens_s)}",
         f"mfu       median {_fmt(r['mfu_median'])}; padding {_fmt(_pct(r['padding_fraction_mean']), '.1f')}%"
         " of computed tokens",
@@ -214,6 +221,15 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         ranks = ", ".join(f"{rank}: {_fmt(s)}" for rank, s in enumerate(busy))
         lines.append(f"busy s    per rank, mean compute per step: {ranks}")
     return lines
+
+
+def _profile_note(r: dict[str, Any]) -> str:
+    """` (profile predicted 0.120 s)`, with `: stale` when off by more than 30%; "" when not recorded."""
+    if r.get("predicted_step_s_median") is None:
+        return ""
+    ratio = r.get("profile_ratio")
+    stale = ratio is not None and abs(ratio - 1) > STALE_TOLERANCE
+    return f" (profile predicted {_fmt(r['predicted_step_s_median'])} s{': stale' if stale else ''})"
 
 
 def _lr_lines(r: dict[str, Any]) -> list[str]:

@@ -123,6 +123,7 @@ def data_summary(scan: Any, *, train_rows: int, eval_rows: int = 0) -> dict[str,
             "length_median": float(statistics.median(lengths)) if lengths else 0.0,
             "length_max": max(lengths, default=0),
             "statuses": {status: int(n) for status, n in scan.counts.items() if n},
+            "formats": {name: int(n) for name, n in getattr(scan, "formats", {}).items()},
             "train_rows": int(train_rows), "eval_rows": int(eval_rows)}
 
 

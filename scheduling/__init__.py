@@ -12,6 +12,8 @@
     simulate.py      modeled step time, perfect-balance bound, imbalances
     distributions.py seeded synthetic lengths of the paper's three datasets
     calibrate.py     fit a profile's mfu / micro-batch launch from measured times (bench compute)
+    order.py         an epoch's visiting order: data.shuffle's seeded permutation (the planner actor's)
+    row_table.py     the planner's random access to tokenized rows by stream position
 
 No ray / torch / deepspeed import anywhere in this package (only scheduling/actor.py touches Ray, and it
 is not imported here).

@@ -1,16 +1,23 @@
 """The planner actor: the only Ray code under scheduling/.
 
-    Ray Data stream ──rows──▶ [ planning thread ]──ray.put──▶ object store
-      (deterministic order)    accumulate K samples          one payload per (dp, cp) rank and step
-                               plan_step(policy, lengths)    │
-                               build_rank_payloads           ▼
-                                                         payload(step, dp, cp) ◀── each train worker
+    Ray Data blocks ─once─▶ RowTable ─visit order─▶ [ planning thread ]──ray.put──▶ object store
+     (stream order)        (row by position)         accumulate K samples          one payload per (dp, cp)
+                                                     plan_step(policy, lengths)    rank and step
+                                                     build_rank_payloads           │
+                                                                                   ▼
+                                                              payload(step, dp, cp) ◀── each train worker
 
 The planning thread runs up to `prefetch` steps ahead of the slowest worker, so planning and the object
 store transfer hide behind training. The actor owns the data cursor: a payload carries the (epoch, rows)
 position after its step, which the workers checkpoint, so a resumed run skips exactly what was consumed.
 Sample ids are stream positions within an epoch (the stream order is deterministic), so each id appears once
 per epoch in the run's samples.jsonl.
+
+Visit order (scheduling/order.py): with `shuffle` (data.shuffle, file and hub data) epoch e visits the rows
+in epoch_order(rows, data.seed, e), otherwise in stream order; either way the cursor's `rows` counts rows
+visited in that order, and the ids stay stream positions. The actor reads the materialized dataset's
+planner columns once into a RowTable (scheduling/row_table.py, zero-copy views of the fetched blocks) and
+looks rows up by position from there, so a permuted epoch costs no re-read of the stream.
 
 Eval set (EvalSource): with data.eval_fraction the reader skips the held-out positions
 (scheduling/holdout.py), so they never train and never reach samples.jsonl; `eval_payloads` plans the
@@ -33,6 +40,7 @@ import ray
 from scheduling import CostModel, plan_step
 from scheduling.eval_plan import plan_eval
 from scheduling.holdout import is_held_out
+from scheduling.order import visit_order
 from scheduling.payload import (
     USABLE_STATUSES,
     Cursor,
@@ -41,6 +49,7 @@ from scheduling.payload import (
     build_rank_payloads,
     spare_payload,
 )
+from scheduling.row_table import RowTable
 from scheduling.simulate import simulate
 
 
@@ -59,12 +68,25 @@ class PlannerSettings:
     """Worker ranks beyond dp_size * cp_size (workers/distributed.py): each fetches an empty payload."""
     eval_fraction: float = 0.0
     """data.eval_fraction: usable rows held out (scheduling/holdout.py) are skipped by training."""
-    holdout_seed: int = 0
-    """data.seed: the held-out split's seed."""
+    data_seed: int = 0
+    """data.seed: the held-out split's seed and the shuffle's."""
+    shuffle: bool = False
+    """data.shuffle (never for the synthetic source): visit each epoch in epoch_order(rows, data_seed,
+    epoch) (scheduling/order.py) instead of the stream order."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.global_batch_size < self.dp_size or self.prefetch < 1:
             raise ValueError(f"invalid planner settings: {self}")
+
+
+def read_row_table(dataset: Any) -> RowTable:
+    """The planner columns of a (materialized) Ray dataset, by stream position: one pass over its blocks.
+
+    Whole blocks as Ray fetched them (`batch_size=None`: no re-batching copy; Arrow blocks come zero-copy
+    from the object store); RowTable keeps views of the planner's columns only. Not `select_columns`
+    first: that is a Ray Data map, tasks that need CPUs the trainer may hold (docs/design.md §9).
+    """
+    return RowTable.from_tables(dataset.iter_batches(batch_size=None, batch_format="pyarrow"))
 
 
 class PlannerError(RuntimeError):
@@ -89,6 +111,8 @@ class PlannerActor:
         eval_dataset: Any = None,
     ) -> None:
         self._dataset = dataset
+        self._rows: RowTable | None = None
+        self._rows_lock = threading.Lock()
         self._eval = EvalSource(dataset, eval_dataset, settings)
         self._cost = cost
         self._plan_ms: list[float] = []
@@ -207,37 +231,46 @@ class PlannerActor:
         last_step = self._last_step
         batch: list[Sample] = []
         step = self._first_step
-        for epoch, position, row in self._usable_rows(self._start):
-            ids = np.asarray(row["input_ids"], dtype=np.int64)
-            batch.append(Sample(sample_id=position, input_ids=ids,
-                                labels=np.asarray(row["labels"], dtype=np.int64)))
+        for epoch, visited, sample in self._usable_rows(self._start):
+            batch.append(sample)
             if len(batch) < s.global_batch_size:
                 continue
-            self._publish(generation, s, step, epoch, batch, Cursor(epoch=epoch, rows=position + 1))
+            self._publish(generation, s, step, epoch, batch, Cursor(epoch=epoch, rows=visited))
             batch = []
             if step == last_step:
                 return
             step += 1
 
-    def _usable_rows(self, start: Cursor) -> Iterator[tuple[int, int, dict[str, Any]]]:
-        """(epoch, position within epoch, row) of usable rows from the cursor on, cycling epochs.
+    def _table(self) -> RowTable:
+        """The dataset's planner columns by stream position, read once per actor (module docstring)."""
+        with self._rows_lock:
+            if self._rows is None:
+                self._rows = read_row_table(self._dataset)
+            return self._rows
 
-        `train.steps` decides when to stop, so the stream repeats the data as often as needed; an epoch
-        without a single usable row would repeat forever, so it is an error instead.
+    def _usable_rows(self, start: Cursor) -> Iterator[tuple[int, int, Sample]]:
+        """(epoch, rows visited in the epoch, sample) of usable rows from the cursor on, cycling epochs.
+
+        Each epoch visits the rows in `visit_order` (the stream order, or the epoch's permutation); the
+        sample id is the row's stream position either way. `train.steps` decides when to stop, so the
+        data repeats as often as needed; an epoch without a single usable row would repeat forever, so it
+        is an error instead.
         """
+        s, table = self._settings, self._table()
         epoch = start.epoch
         skip = start.rows
         while True:
             usable = 0
-            for position, row in enumerate(self._dataset.iter_rows()):
-                if position < skip:
-                    continue
-                status = str(row.get("status", "ok"))
+            order = visit_order(len(table), seed=s.data_seed, epoch=epoch, shuffle=s.shuffle)
+            for visited in range(skip, len(order)):
+                position = int(order[visited])
+                status = table.status(position)
                 with self._cond:
                     self._status_counts[status] = self._status_counts.get(status, 0) + 1
                 if status in USABLE_STATUSES and not self._eval.holds_out(position):
                     usable += 1
-                    yield epoch, position, row
+                    input_ids, labels = table.tokens(position)
+                    yield epoch, visited + 1, Sample(sample_id=position, input_ids=input_ids, labels=labels)
             if usable == 0 and skip == 0:
                 raise PlannerError(
                     f"epoch {epoch} of the dataset has no usable row (rows by status: "
@@ -296,7 +329,7 @@ class EvalSource:
         self._dataset = eval_dataset if eval_dataset is not None else dataset
         self._separate = eval_dataset is not None
         self._fraction = 0.0 if self._separate else settings.eval_fraction
-        self._seed = settings.holdout_seed
+        self._seed = settings.data_seed
         self._lock = threading.Lock()
         self._shape: tuple[int, int] | None = None
         self._refs: dict[tuple[int, int], ray.ObjectRef] = {}

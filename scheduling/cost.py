@@ -301,6 +301,11 @@ class CostModel:
         steps = self.num_layers * (cp_size - 1)
         return self.profile.comm_passes * steps * self.profile.ring_step_s(per_step, cp_size)
 
+    def clock(self, cp_size: int, world: int = 1) -> Clock:
+        """t_comp / t_comm / overlapped / b for one CP size, with the constants hoisted (the planner's
+        inner loops call them thousands of times per batch)."""
+        return Clock(self, cp_size, world)
+
     def micro_batch_time(self, local_flops: Sequence[float], dist_flops: float, volume: float, *,
                          world: int = 1) -> float:
         """DACP overlap formula: max_j [max(T_comm(V), T_comp(Local_j)) + T_comp(Dist)] + b(world)
@@ -314,6 +319,58 @@ class CostModel:
         worst_local = max(local_flops) if len(local_flops) else 0.0
         overhead = self.micro_batch_overhead_s(world)
         return self.overlapped(comm, self.t_comp(worst_local)) + self.t_comp(dist_flops) + overhead
+
+
+class Clock:
+    """CostModel's time formulas for one CP size N and one world W, constants hoisted out of the calls.
+
+    Every method performs the same floating-point operations in the same order as the CostModel method
+    it names, so the results are bit for bit equal (the planners compare times with tight tolerances,
+    and equal plans need equal comparisons):
+
+        comp(F)                = F * train_flops_factor / (peak_flops * mfu)            = t_comp(F)
+        comm(V)                = comm_passes * L*(N-1) * max(latency, offset + V/(L*N)/B) = t_comm(V, N)
+        overlapped(c, l)       = c + l - ring_overlap * min(c, l)
+        time(Lmax, D, V)       = overlapped(comm(V), comp(Lmax)) + comp(D)     (the DACP objective)
+        objective(c, Lmax, D)  = time() given c = comm(V)
+        overhead               = micro_batch_overhead_s(W)                              (b)
+    """
+
+    __slots__ = ("cp_size", "overhead", "_comm_scale", "_denom", "_factor", "_latency", "_offset",
+                 "_overlap", "_bandwidth", "_per_step")
+
+    def __init__(self, cost: CostModel, cp_size: int, world: int = 1) -> None:
+        p = cost.profile
+        self.cp_size = cp_size
+        self.overhead = cost.micro_batch_overhead_s(world)
+        self._factor, self._denom = p.train_flops_factor, p.peak_flops * p.mfu
+        self._overlap = p.ring_overlap
+        self._per_step = cost.num_layers * cp_size
+        self._comm_scale = p.comm_passes * (cost.num_layers * (cp_size - 1))
+        inside = cp_size <= p.gpus_per_node  # the ring's links, as HardwareProfile.ring_step_s picks them
+        self._latency = p.intra_node_latency_s if inside else p.inter_node_latency_s
+        self._offset = p.intra_node_comm_offset_s if inside else p.inter_node_comm_offset_s
+        self._bandwidth = p.intra_node_bandwidth if inside else p.inter_node_bandwidth
+
+    def comp(self, flops: float) -> float:
+        return flops * self._factor / self._denom
+
+    def comm(self, volume: float) -> float:
+        if self.cp_size <= 1 or volume <= 0:
+            return 0.0
+        return self._comm_scale * max(self._latency, self._offset + volume / self._per_step / self._bandwidth)
+
+    def overlapped(self, comm_s: float, local_s: float) -> float:
+        return comm_s + local_s - self._overlap * min(comm_s, local_s)
+
+    def time(self, max_local: float, dist: float, volume: float) -> float:
+        """max_j [overlapped(T_comm(V), T_comp(Local_j))] + T_comp(Dist), given max_j Local_j (without b)."""
+        return self.objective(self.comm(volume), max_local, dist)
+
+    def objective(self, comm_s: float, max_local: float, dist: float) -> float:
+        """time() with T_comm(V) already computed (the local search keeps it while V does not change)."""
+        local = max_local * self._factor / self._denom
+        return comm_s + local - self._overlap * min(comm_s, local) + dist * self._factor / self._denom
 
 
 def bucket_size_from_memory(*, device_memory_bytes: float, static_memory_bytes: float,

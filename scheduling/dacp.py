@@ -36,8 +36,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from scheduling.cost import CostModel
-from scheduling.dacp_state import DacpState
+from scheduling.dacp_state import DacpState, SequenceTable
 from scheduling.plans import DacpPlan, SchedulingError, shard_tokens
 from scheduling.refine import refine as refine_placement
 
@@ -46,59 +48,60 @@ __all__ = ["PLACEMENTS", "DacpState", "all_sharded", "check_fits", "dacp_assign"
 PLACEMENTS = ("greedy", "roundrobin")
 
 
-def _argmin(values: list) -> int:
-    return values.index(min(values))  # first minimum: deterministic ties, C speed
-
-
-def _argmax(values: list) -> int:
-    return values.index(max(values))
-
-
-def _roll_back(state: DacpState, rank: int, lengths: Sequence[int], flops: Sequence[float]) -> bool:
+def _roll_back(state: DacpState, rank: int, table: SequenceTable) -> bool:
     """Turn rank's shortest local sequence into a distributed one; False if that is impossible."""
     if not state.local[rank]:
         return False
-    victim = min(state.local[rank], key=lambda i: (lengths[i], i))
-    length = int(lengths[victim])
-    shard = shard_tokens(length, state.cp_size)
-    if any(state.remaining[j] < shard for j in range(state.cp_size) if j != rank):
+    victim = min(state.local[rank], key=table.length_rank.__getitem__)  # shortest, ties to the lowest index
+    shard = table.shards(state.cp_size)[victim]
+    others = state.remaining[:rank] + state.remaining[rank + 1:]
+    if others and min(others) < shard:  # some other rank cannot hold the new shard
         return False
-    state.shard_local(rank, victim, length, flops[victim])
+    state.shard_local(rank, victim, table.lengths[victim], table.flops[victim])
     state.rollbacks += 1
     return True
 
 
 def dacp_assign(order: Sequence[int], lengths: Sequence[int], flops: Sequence[float], *, cp_size: int,
                 bucket_size: int, placement: str = "greedy", cost: CostModel | None = None,
-                on_step: Callable[[DacpState], None] | None = None) -> DacpState | None:
+                on_step: Callable[[DacpState], None] | None = None,
+                table: SequenceTable | None = None) -> DacpState | None:
     """Run Algorithm 1 on `order` (indices, ascending by length); None when the roll-back gives up.
 
-    With `cost`, the result is then refined against the modeled micro-batch time.
+    With `cost`, the result is then refined against the modeled micro-batch time. `table`: the batch's
+    SequenceTable over these `lengths` and `flops` (GDS passes one for all its trial micro-batches;
+    built for `order` when None).
     """
+    if table is None:
+        table = SequenceTable(lengths, flops, cost, order)
     state = DacpState.start(cp_size, bucket_size)
+    remaining, load, local = state.remaining, state.load, state.local  # the state's own lists
     greedy = placement == "greedy"
+    lens, shards = table.lengths, table.shards(cp_size)
     for index in order:
-        length = int(lengths[index])
-        shard = shard_tokens(length, cp_size)
+        length, shard = lens[index], shards[index]
         while True:
-            t = _argmin(state.load) if greedy else -1
-            if t < 0 or state.remaining[t] < length:
-                t = _argmax(state.remaining)
-            if state.remaining[t] >= length:
-                state.place(t, index, length, flops[index])
+            # first minimum / maximum: deterministic ties
+            t = load.index(min(load)) if greedy else -1
+            if t < 0 or remaining[t] < length:
+                t = remaining.index(max(remaining))
+            if remaining[t] >= length:  # state.place, inline (the loop's common case)
+                remaining[t] -= length
+                load[t] += flops[index]
+                local[t].append(index)
                 break
-            t = _argmin(state.remaining)
-            if state.remaining[t] >= shard:
+            t = remaining.index(min(remaining))
+            if remaining[t] >= shard:
                 state.distribute(index, length, flops[index])
                 break
-            if not _roll_back(state, t, lengths, flops):
+            if not _roll_back(state, t, table):
                 return None
             if on_step is not None:
                 on_step(state)
         if on_step is not None:
             on_step(state)
     if cost is not None:
-        refine_placement(state, lengths, flops, cost)
+        refine_placement(state, lengths, flops, cost, table=table)
         if on_step is not None:
             on_step(state)
     return state
@@ -110,14 +113,15 @@ def check_fits(lengths: Sequence[int], cp_size: int, bucket_size: int) -> None:
         raise SchedulingError(f"parallel.cp_size must be >= 1, got {cp_size}")
     if bucket_size < 1:
         raise SchedulingError(f"scheduling.bucket_size must be >= 1, got {bucket_size}")
-    longest = max((int(s) for s in lengths), default=0)
+    tokens = np.asarray(lengths).astype(np.int64).reshape(-1)  # astype truncates like int()
+    longest = int(tokens.max()) if len(tokens) else 0
     if longest > bucket_size * cp_size:
         raise SchedulingError(
             f"a sequence of {longest} tokens exceeds scheduling.bucket_size * parallel.cp_size = "
             f"{bucket_size} * {cp_size} = {bucket_size * cp_size}: raise scheduling.bucket_size or "
             "parallel.cp_size, or cap data.max_length with data.too_long=truncate|drop"
         )
-    if any(int(s) < 1 for s in lengths):
+    if (tokens < 1).any():
         raise SchedulingError("every sequence needs >= 1 token (check the tokenizer / data source)")
 
 

@@ -34,6 +34,12 @@
 
 `execution="static"` (the GDS-only ablation) shards every sequence instead of running DACP: a micro-batch
 then fits when sum(ceil(S/N)) <= C.
+
+Speed: one rank's splitter plans the same group of sequences many times (the strided split and the
+packing coincide at m = 1; the equal-count pass and the extra counts re-split to counts already tried),
+and each plan is deterministic in its group, so every group is planned once (memoized) together with its
+modeled time. Trial micro-batches stay plain lists; DacpPlans are built for the kept plan only. The batch's
+per-sequence numbers (scheduling.dacp_state.SequenceTable) and the cost Clock are computed once.
 """
 
 from __future__ import annotations
@@ -41,25 +47,42 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from scheduling.cost import CostModel
-from scheduling.dacp import all_sharded, check_fits, dacp_assign
+from scheduling.cost import Clock, CostModel
+from scheduling.dacp import check_fits, dacp_assign
+from scheduling.dacp_state import SequenceTable
 from scheduling.plans import DacpPlan, SchedulingError, StepPlan
-from scheduling.simulate import rank_times
+from scheduling.simulate import micro_batch_time
 
 EXECUTIONS = ("dacp", "static")
 EXTRA_COUNTS = 2
 """How many common micro-batch counts above the first fit GDS tries (kept when modeled faster)."""
 
 
-def lpt_bins(flops: Sequence[float], num_bins: int) -> list[list[int]]:
-    """Longest-processing-time-first: heaviest item to the lightest bin; deterministic ties."""
+def lpt_bins(flops: Sequence[float], num_bins: int, table: SequenceTable | None = None) -> list[list[int]]:
+    """Longest-processing-time-first: heaviest item to the lightest bin; deterministic ties.
+
+    `table` (a SequenceTable over all of these flops) supplies that order already sorted."""
     heap = [(0.0, b) for b in range(num_bins)]
     bins: list[list[int]] = [[] for _ in range(num_bins)]
-    for index in sorted(range(len(flops)), key=lambda i: (-flops[i], i)):
-        load, b = heapq.heappop(heap)
+    order = sorted(range(len(flops)), key=lambda i: (-flops[i], i)) if table is None else table.weight_order
+    for index in order:
+        load, b = heap[0]  # the lightest bin (ties to the lowest id); (load, id) pairs are unique
         bins[b].append(index)
-        heapq.heappush(heap, (load + flops[index], b))
+        heapq.heapreplace(heap, (load + flops[index], b))
     return bins
+
+
+class _Trial:
+    """One planned micro-batch (a DACP placement or all sharded) and its modeled time, before any DacpPlan
+    is built: GDS plans many micro-batches it discards."""
+
+    __slots__ = ("distributed", "local", "time")
+
+    def __init__(self, local: Sequence[Sequence[int]], distributed: Sequence[int], time: float) -> None:
+        self.local, self.distributed, self.time = local, distributed, time
+
+    def plan(self) -> DacpPlan:
+        return DacpPlan(local=tuple(tuple(rank) for rank in self.local), distributed=tuple(self.distributed))
 
 
 class _RankSplitter:
@@ -67,24 +90,30 @@ class _RankSplitter:
 
     def __init__(self, bin_: list[int], lengths: Sequence[int], flops: Sequence[float], *, cp_size: int,
                  bucket_size: int, placement: str, execution: str, cost: CostModel | None,
-                 world: int = 1) -> None:
-        self.bin = sorted(bin_, key=lambda i: (int(lengths[i]), i))
-        self.lengths, self.flops = lengths, flops
+                 table: SequenceTable, clock: Clock) -> None:
+        self.bin = sorted(bin_, key=table.length_rank.__getitem__)  # ascending (S, index)
+        self.lengths, self.flops, self.table, self.clock = lengths, flops, table, clock
         self.cp_size, self.bucket_size = cp_size, bucket_size
         self.placement, self.execution, self.cost = placement, execution, cost
-        self.world = world
-        """DP x CP ranks the gradients are reduced over (sizes the per-micro-batch cost b)."""
+        self._groups: dict[tuple[int, ...], _Trial | None] = {}
+        self._splits: dict[int, list[_Trial] | None] = {}
 
     def first_count(self) -> int:
-        total = sum(int(self.lengths[i]) for i in self.bin)
+        lens = self.table.lengths
+        total = sum(map(lens.__getitem__, self.bin))
         return max(1, -(-total // (self.bucket_size * self.cp_size)))
 
-    def split(self, count: int) -> list[DacpPlan] | None:
+    def split(self, count: int) -> list[_Trial] | None:
         """`count` micro-batches: the strided split, or the balanced packing when that one does not fit
         (with a cost model: whichever of the two models faster); None if neither fits."""
+        if count not in self._splits:
+            self._splits[count] = self._split(count)
+        return self._splits[count]
+
+    def _split(self, count: int) -> list[_Trial] | None:
         strided = self._planned([self.bin[j::count] for j in range(count)])
-        if strided is not None and self.cost is None:
-            return strided
+        if count == 1 or (strided is not None and self.cost is None):
+            return strided  # one micro-batch: the packing is the same group (the whole sorted bin)
         groups = self._packed(count)
         packed = None if groups is None else self._planned(groups)
         if strided is None or packed is None:
@@ -97,65 +126,74 @@ class _RankSplitter:
         one that fills a micro-batch (it then grows the count up to one sequence per micro-batch), this
         packing never does."""
         capacity = self.bucket_size * self.cp_size
+        lens, by_length = self.table.lengths, self.table.length_rank.__getitem__
         members: list[list[int]] = [[] for _ in range(count)]
         tokens = [0] * count
-        for i in sorted(self.bin, key=lambda i: (-int(self.lengths[i]), i)):
-            length = int(self.lengths[i])
-            room = [j for j in range(count) if tokens[j] + length <= capacity]
-            if not room:
+        for i in sorted(self.bin, key=lambda i: (-lens[i], i)):  # longest first, ties to the lowest index
+            length = lens[i]
+            j = tokens.index(min(tokens))  # the fewest tokens has the most room: if not there, nowhere
+            if tokens[j] + length > capacity:
                 return None
-            j = min(room, key=lambda j: (tokens[j], j))
             members[j].append(i)
             tokens[j] += length
-        return [sorted(m, key=lambda i: (int(self.lengths[i]), i)) for m in members]
+        return [sorted(m, key=by_length) for m in members]
 
-    def _planned(self, groups: list[list[int]]) -> list[DacpPlan] | None:
+    def _planned(self, groups: list[list[int]]) -> list[_Trial] | None:
         """Each group planned as one micro-batch, or None if one of them does not fit."""
-        if any(sum(int(self.lengths[i]) for i in g) > self.bucket_size * self.cp_size for g in groups):
+        lens, capacity = self.table.lengths, self.bucket_size * self.cp_size
+        if any(sum(map(lens.__getitem__, g)) > capacity for g in groups):
             return None
-        plans = []
+        trials = []
         for members in groups:
-            if not members:
-                plans.append(DacpPlan.empty(self.cp_size))
-                continue
-            plan = self._plan(members)
-            if plan is None:
+            key = tuple(members)
+            if key not in self._groups:
+                self._groups[key] = self._plan(members)
+            trial = self._groups[key]
+            if trial is None:
                 return None
-            plans.append(plan)
-        return plans
+            trials.append(trial)
+        return trials
 
-    def _plan(self, members: list[int]) -> DacpPlan | None:
-        static = all_sharded(members, self.lengths, self.cp_size, self.bucket_size)
+    def _plan(self, members: list[int]) -> _Trial | None:
+        """One micro-batch (an empty group is the empty micro-batch)."""
+        n = self.cp_size
+        if not members:
+            return self._trial([[]] * n, [])
+        shards = self.table.shards(n)
+        fits_sharded = sum(map(shards.__getitem__, members)) <= self.bucket_size
         if self.execution == "static":
-            return static
-        state = dacp_assign(members, self.lengths, self.flops, cp_size=self.cp_size,
-                            bucket_size=self.bucket_size, placement=self.placement, cost=self.cost)
+            return self._trial([[]] * n, members) if fits_sharded else None
+        state = dacp_assign(members, self.lengths, self.flops, cp_size=n, bucket_size=self.bucket_size,
+                            placement=self.placement, cost=self.cost, table=self.table)
         if self.cost is None:  # the paper's Algorithm 1 alone (the round-robin ablation): no fallback
-            return None if state is None else state.to_plan()
+            return None if state is None else self._trial(state.local, state.distributed)
         # All-sharded is a valid DACP output too. Algorithm 1's roll-back can give up (or leave a long
         # sequence local under memory pressure) where sharding everything still fits and runs faster:
         # keep whichever the cost model says is faster, so Skrull never needs more micro-batches than
         # GDS-only and never models slower on the same micro-batch.
-        plan = None if state is None else state.to_plan()
-        if plan is None or (static is not None and self.time(static) < self.time(plan)):
+        static = self._trial([[]] * n, members) if fits_sharded else None
+        placed = None if state is None else self._trial(state.local, state.distributed)
+        if placed is None or (static is not None and static.time < placed.time):
             return static
-        return plan
+        return placed
 
-    def time(self, plan: DacpPlan) -> float:
-        """Modeled seconds of one micro-batch (max over its CP ranks)."""
-        assert self.cost is not None
-        return max(rank_times(plan, self.lengths, self.flops, self.cost, world=self.world))
+    def _trial(self, local: Sequence[Sequence[int]], distributed: Sequence[int]) -> _Trial:
+        """A micro-batch with its modeled time (0 without a cost model, which never compares times)."""
+        if self.cost is None:
+            return _Trial(local, distributed, 0.0)
+        return _Trial(local, distributed, micro_batch_time(local, distributed, self.table.flops,
+                                                           self.table.kv, self.clock))
 
-    def split_time(self, plans: list[DacpPlan]) -> float:
-        return sum(self.time(p) for p in plans) if self.cost is not None else 0.0
+    def split_time(self, trials: list[_Trial]) -> float:
+        return sum(t.time for t in trials) if self.cost is not None else 0.0
 
-    def smallest_fit(self, start: int) -> tuple[int, list[DacpPlan]]:
+    def smallest_fit(self, start: int) -> tuple[int, list[_Trial]]:
         """The first count >= start whose split fits (always ends: len(bin) singletons fit)."""
         count = start
         while True:
-            plans = self.split(count)
-            if plans is not None:
-                return count, plans
+            trials = self.split(count)
+            if trials is not None:
+                return count, trials
             if count >= max(1, len(self.bin)):
                 raise SchedulingError(  # only reachable if check_fits was bypassed
                     "GDS could not fit single-sequence micro-batches: raise scheduling.bucket_size"
@@ -172,26 +210,39 @@ def plan_gds(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size:
     `bins` replaces step 1 with a given DP split (the DACP-only ablation passes the data-order split).
     `labels`: label tokens per sequence (the model cost formula's LM head; None: every token).
     """
+    return plan_gds_timed(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
+                          placement=placement, execution=execution, refine=refine, bins=bins,
+                          labels=labels)[0]
+
+
+def plan_gds_timed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
+                   cost: CostModel, placement: str = "greedy", execution: str = "dacp", refine: bool = True,
+                   bins: list[list[int]] | None = None,
+                   labels: Sequence[int] | None = None) -> tuple[StepPlan, float | None]:
+    """plan_gds, and the plan's modeled step time: simulate(plan).step_s, summed the same way from the
+    micro-batch times GDS already has (None with refine=False, which models no time)."""
     if dp_size < 1:
         raise SchedulingError(f"DP size must be >= 1 (parallel.num_workers / parallel.cp_size): {dp_size}")
     if execution not in EXECUTIONS:
         raise SchedulingError(f"GDS execution {execution!r} is not one of {EXECUTIONS}")
     check_fits(lengths, cp_size, bucket_size)
     flops = cost.sequence_flops(lengths, labels)
+    table = SequenceTable(lengths, flops, cost)
     if bins is None:
-        bins = lpt_bins(flops, dp_size)
+        bins = lpt_bins(flops, dp_size, table)
+    clock = cost.clock(cp_size, dp_size * cp_size)
     splitters = [_RankSplitter(b, lengths, flops, cp_size=cp_size, bucket_size=bucket_size,
-                               placement=placement, execution=execution,
-                               cost=cost if refine else None, world=dp_size * cp_size) for b in bins]
+                               placement=placement, execution=execution, cost=cost if refine else None,
+                               table=table, clock=clock) for b in bins]
     results = _equal_counts(splitters, [s.smallest_fit(s.first_count()) for s in splitters])
     if not refine:
-        return _step(results)
+        return _step(results), None
     # GDS's first fit is the fewest micro-batches, which is not always the fastest: a larger common
     # count M can let DACP keep more sequences local or balance better. Try up to EXTRA_COUNTS more,
     # stopping once M alone is too slow: max_r floor_r + M*b lower-bounds any split into M, floor_r
     # being rank r's share of its FLOPs or its longest sequence alone (scheduling/simulate.py's proof).
     best, best_time = results, _step_time(splitters, results)
-    floor = max(_rank_floor(b, lengths, flops, cost, cp_size) for b in bins if b)
+    floor = max(_rank_floor(b, table, cost, cp_size) for b in bins if b)
     for extra in range(1, EXTRA_COUNTS + 1):
         count = results[0][0] + extra
         if floor + count * cost.micro_batch_overhead_s(dp_size * cp_size) >= best_time:
@@ -200,10 +251,10 @@ def plan_gds(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size:
         candidate_time = _step_time(splitters, candidate)
         if candidate_time < best_time * (1 - 1e-9):
             best, best_time = candidate, candidate_time
-    return _step(best)
+    return _step(best), _modeled_step(best)
 
 
-Split = tuple[int, list[DacpPlan]]
+Split = tuple[int, list[_Trial]]
 
 
 def _equal_counts(splitters: list[_RankSplitter], results: list[Split]) -> list[Split]:
@@ -219,19 +270,34 @@ def _equal_counts(splitters: list[_RankSplitter], results: list[Split]) -> list[
         target = new_target
 
 
-def _rank_floor(members: list[int], lengths: Sequence[int], flops: Sequence[float], cost: CostModel,
-                cp_size: int) -> float:
-    """Seconds (without b) no split of one DP rank's sequences can beat (see scheduling.simulate)."""
-    longest = max(members, key=lambda i: (flops[i], int(lengths[i])))
+def _rank_floor(members: list[int], table: SequenceTable, cost: CostModel, cp_size: int) -> float:
+    """Seconds (without b) no split of one DP rank's sequences can beat (see scheduling.simulate).
+
+    Its longest sequence is the first of `members` with the most FLOPs, then the most tokens."""
+    flops, lens = table.flops, table.lengths
+    heaviest = min(members, key=table.weight_rank.__getitem__)  # most FLOPs (ties: the lowest index)
+    ties = [i for i in members if flops[i] == flops[heaviest]]
+    longest = ties[0] if len(ties) == 1 else max(ties, key=lens.__getitem__)  # first of the longest
     heaviest = flops[longest]
-    alone = min(cost.t_comp(heaviest), cost.t_comm(cost.kv_bytes(float(lengths[longest])), cp_size)
+    alone = min(cost.t_comp(heaviest), cost.t_comm(cost.kv_bytes(float(lens[longest])), cp_size)
                 + cost.t_comp(heaviest / cp_size))
-    return max(cost.t_comp(sum(flops[i] for i in members) / cp_size), alone)
+    return max(cost.t_comp(sum(map(flops.__getitem__, members)) / cp_size), alone)
 
 
 def _step_time(splitters: list[_RankSplitter], results: list[Split]) -> float:
     return max(s.split_time(plans) for s, (_, plans) in zip(splitters, results, strict=True))
 
 
+def _modeled_step(results: list[Split]) -> float:
+    """simulate's step_s: per DP rank the micro-batch times accumulated in order, the slowest rank."""
+    totals = []
+    for _, trials in results:
+        total = 0.0
+        for trial in trials:
+            total += trial.time
+        totals.append(total)
+    return max(totals)
+
+
 def _step(results: list[Split]) -> StepPlan:
-    return StepPlan(micro_batches=tuple(tuple(plans) for _, plans in results))
+    return StepPlan(micro_batches=tuple(tuple(t.plan() for t in trials) for _, trials in results))

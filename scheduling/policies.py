@@ -13,9 +13,11 @@
 |                  |                       |                                      | (App. B.2), no refine |
 | dacp_only        | data order, rank r::D | consecutive, packed to C*N tokens    | DACP + refinement     |
 | gds_only         | GDS                   | GDS (fit: sum ceil(S/N) <= C)        | all sharded           |
+| balanced_packed  | LPT by modeled FLOPs  | best-fit decreasing to C per rank    | all sharded           |
 
-skrull lives in scheduling.skrull, roundrobin and gds_only are plan_gds options (scheduling.gds), the
-rest are scheduling.baselines. Every registry entry takes plan_step's keywords (the `Policy` signature)
+skrull lives in scheduling.skrull, roundrobin and gds_only are plan_gds options (scheduling.gds),
+balanced_packed (the strongest conventional baseline) is scheduling.balanced_packed, the rest are
+scheduling.baselines. Every registry entry takes plan_step's keywords (the `Policy` signature)
 and ignores those it does not use, so plan_step is one lookup; POLICIES is the registry's names in order.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from scheduling.balanced_packed import balanced_packed
 from scheduling.baselines import dacp_only, sorted_batching, static_cp, static_cp_packed
 from scheduling.cost import CostModel
 from scheduling.dacp import check_fits
@@ -91,6 +94,13 @@ def _gds_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size
                     execution="static", labels=labels)
 
 
+def _balanced_packed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
+                     cost: CostModel, seed: int, static_cp_micro_batch: int,
+                     labels: Sequence[int] | None = None) -> StepPlan:
+    return balanced_packed(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
+                           labels=labels)
+
+
 REGISTRY: dict[str, Policy] = {
     "skrull": _skrull,
     "static_cp": _static_cp,
@@ -99,6 +109,7 @@ REGISTRY: dict[str, Policy] = {
     "roundrobin": _roundrobin,
     "dacp_only": _dacp_only,
     "gds_only": _gds_only,
+    "balanced_packed": _balanced_packed,
 }
 """Policy name (the value of `scheduling.policy`) -> planning function."""
 

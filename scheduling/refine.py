@@ -23,12 +23,19 @@ arrived. The DACP objective itself (minimize max_j Time_j, docs/design.md §3) i
    faster is kept. LPT is skipped when some sequence finds no rank with room.
 3. Sharding chain: while the heaviest local sequence alone exceeds a rank's fair share of the local
    work, shard it, re-place the rest by LPT and search again, keeping the fastest state seen (a chain,
-   since two dominant sequences may both have to be sharded before the ring traffic pays off).
+   since two dominant sequences may both have to be sharded before the ring traffic pays off). The
+   chain stops early once T_comm(V) + T_comp(Dist) of the next state's distributed set alone reaches the
+   best time: sharding only adds to both, so nothing further down could be kept (`_chain_bound`).
 
 Every step lowers Time strictly and keeps every rank within C tokens, so Algorithm 1's guarantees
 (every index once, memory) survive; the local search is bounded (4 x (sequences + 1) steps).
-Moves go through scheduling.dacp_state (relocate, shard_local, place: the same moves Algorithm 1
-makes); the local search also caches Time's terms (local load per rank, shard load, ring volume).
+Moves go through scheduling.dacp_state (relocate, shard_local: the same moves Algorithm 1 makes); the
+local search also caches Time's terms (local load per rank, shard load, ring volume).
+
+Speed (GDS refines hundreds of trial micro-batches per batch, docs/design.md §4): per-sequence numbers
+come from the batch's SequenceTable (tokens, FLOPs, F/N, K/V bytes, ceil(S/N), the heaviest-first order)
+and times from a cost Clock, both computed once; every float is computed with the operations, in the
+order, of the plain formulas, so the search takes the same steps and returns the same placement.
 """
 
 from __future__ import annotations
@@ -36,84 +43,112 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from itertools import chain
 
-from scheduling.cost import CostModel
-from scheduling.dacp_state import DacpState
-from scheduling.plans import shard_tokens
+from scheduling.cost import Clock, CostModel
+from scheduling.dacp_state import DacpState, SequenceTable
 
 Step = tuple[float, str, int, int, int, int]
 """(new time, op, sequence, source rank, target rank, swap partner or -1)."""
 
+_SLACK = 1 - 1e-9
+"""A step must lower what it improves by more than this relative margin (float noise is no gain)."""
+
 
 class _Refiner:
-    def __init__(self, state: DacpState, lengths: Sequence[int], flops: Sequence[float],
-                 cost: CostModel) -> None:
-        self.state, self.lengths, self.flops, self.cost = state, lengths, flops, cost
-        self.n = len(state.remaining)
+    def __init__(self, state: DacpState, table: SequenceTable, clock: Clock) -> None:
+        self.state, self.table, self.clock = state, table, clock
+        self.n = n = len(state.remaining)
+        flops, kv = table.flops, table.kv
+        self.shards, self.shard_flops = table.shards(n), table.shard_flops(n)
         # the objective's terms, kept in step with every move: the state's L mixes local and shard load
-        self.local_load = [sum(flops[i] for i in rank) for rank in state.local]
-        self.dist = sum(flops[i] for i in state.distributed) / self.n
-        self.volume = sum(cost.kv_bytes(float(lengths[i])) for i in state.distributed)
-
-    def time(self, max_local: float, dist: float, volume: float) -> float:
-        c = self.cost
-        return c.overlapped(c.t_comm(volume, self.n), c.t_comp(max_local)) + c.t_comp(dist)
+        self.local_load = [sum(map(flops.__getitem__, rank)) for rank in state.local]
+        self.dist = sum(map(flops.__getitem__, state.distributed)) / n
+        self.volume = sum(map(kv.__getitem__, state.distributed))
+        self.comm = clock.comm(self.volume)  # T_comm(volume), recomputed when the volume changes
 
     @property
     def current(self) -> float:
-        return self.time(max(self.local_load), self.dist, self.volume)
+        return self.clock.objective(self.comm, max(self.local_load), self.dist)
 
-    def _best_exchange(self, r: int, low: int, rest: float) -> tuple[float, int, int] | None:
-        """Lowest max local load reachable by one move (t=-1) or swap (s <-> t) from r to low."""
-        loads, remaining, lengths, flops = self.local_load, self.state.remaining, self.lengths, self.flops
+    def _best_exchange(self, r: int, low: int) -> tuple[float, int, int] | None:
+        """Lowest max(L_r', L_low', 0) reachable by one move (t=-1) or swap (s <-> t) from r to low;
+        ties keep the first candidate in the order (s of r in order, its move, then its swaps).
+
+        The inner loop runs for every pair of the two ranks' sequences at every step, so max() is written
+        out (the same result: the first of the largest)."""
+        loads, remaining = self.local_load, self.state.remaining
+        lengths, flops = self.table.lengths, self.table.flops
+        load_r, load_low, room_low, room_r = loads[r], loads[low], remaining[low], remaining[r]
+        partners = self.state.local[low]
         best = None
+        best_peak = math.inf
         for s in self.state.local[r]:
-            f_s, len_s = flops[s], int(lengths[s])
-            if remaining[low] >= len_s:
-                peak = max(loads[r] - f_s, loads[low] + f_s, rest)
-                if best is None or peak < best[0]:
-                    best = (peak, s, -1)
-            for t in self.state.local[low]:
-                delta, grow = f_s - flops[t], len_s - int(lengths[t])
-                if delta <= 0 or remaining[low] < grow or remaining[r] < -grow:
+            f_s, len_s = flops[s], lengths[s]
+            if load_r - f_s >= best_peak:
+                # every candidate of s keeps at least L_r - F_s on r (a swap takes back F_t >= 0; float
+                # rounding is monotone, so this holds for the computed peaks too): none can beat the best
+                continue
+            if room_low >= len_s:
+                peak = max(load_r - f_s, load_low + f_s, 0.0)
+                if peak < best_peak or best is None:
+                    best, best_peak = (peak, s, -1), peak
+            for t in partners:
+                delta = f_s - flops[t]
+                if delta <= 0:
                     continue
-                peak = max(loads[r] - delta, loads[low] + delta, rest)
-                if best is None or peak < best[0]:
-                    best = (peak, s, t)
+                grow = len_s - lengths[t]
+                if room_low < grow or room_r < -grow:
+                    continue
+                peak = load_r - delta
+                other = load_low + delta
+                if other > peak:
+                    peak = other
+                if peak < 0.0:
+                    peak = 0.0
+                if peak < best_peak or best is None:
+                    best, best_peak = (peak, s, t), peak
         return best
 
     def best_step(self) -> Step | None:
         """The best candidate of the busiest rank (see the module docstring), or None."""
-        loads, remaining, n = self.local_load, self.state.remaining, self.n
-        r = loads.index(max(loads))
-        low = loads.index(min(loads))
-        # loads the candidates leave untouched: all but r (distribute), all but r and low (move, swap)
-        rest_r = max((loads[j] for j in range(n) if j != r), default=0.0)
-        rest_r_low = max((loads[j] for j in range(n) if j not in (r, low)), default=0.0)
-        room_r = min((remaining[j] for j in range(n) if j != r), default=0)
-        current = self.current
+        loads, n, clock = self.local_load, self.n, self.clock
+        ordered = sorted(loads)
+        # loads the candidates leave untouched: all but r (distribute), all but r and low (move, swap);
+        # for n >= 3 the second is the first (dropping one smallest load from >= 2 keeps their max)
+        top, rest_r = ordered[-1], ordered[-2]  # n >= 2 here (refine returns early otherwise)
+        r = loads.index(top)
+        low = loads.index(ordered[0])
+        dist = self.dist
+        threshold = clock.objective(self.comm, top, dist) * _SLACK
         best: Step | None = None
-        gap = loads[r] - rest_r  # sharding s saves at most `gap` of local work and costs f/n on every rank
+        gap = top - rest_r  # sharding s saves at most `gap` of local work and costs f/n on every rank
+        room_r = None
+        shard_flops = self.shard_flops
         for s in self.state.local[r]:
-            f, length = self.flops[s], int(self.lengths[s])
-            if f / n < gap and room_r >= shard_tokens(length, n):
-                t = self.time(max(loads[r] - f, rest_r), self.dist + f / n,
-                              self.volume + self.cost.kv_bytes(float(length)))
-                if t < current * (1 - 1e-9) and (best is None or t < best[0]):
-                    best = (t, "distribute", s, r, r, -1)
+            f_n = shard_flops[s]
+            if f_n < gap:
+                if room_r is None:
+                    remaining = self.state.remaining
+                    room_r = min(remaining[:r] + remaining[r + 1:])
+                if room_r >= self.shards[s]:
+                    t = clock.time(max(top - self.table.flops[s], rest_r), dist + f_n,
+                                   self.volume + self.table.kv[s])
+                    if t < threshold and (best is None or t < best[0]):
+                        best = (t, "distribute", s, r, r, -1)
         if low != r:
             # the pair's new peak, without the other ranks: an exchange must lower the busier of the two
-            exchange = self._best_exchange(r, low, 0.0)
-            if exchange is not None and exchange[0] < loads[r] * (1 - 1e-9):
-                peak, s, t = exchange
-                t_new = self.time(max(peak, rest_r_low), self.dist, self.volume)
+            exchange = self._best_exchange(r, low)
+            if exchange is not None and exchange[0] < top * _SLACK:
+                peak, s, partner = exchange
+                t_new = clock.objective(self.comm, max(peak, rest_r if n > 2 else 0.0), dist)
                 if best is None or t_new <= best[0]:
-                    best = (t_new, "move" if t < 0 else "swap", s, r, low, t)
+                    best = (t_new, "move" if partner < 0 else "swap", s, r, low, partner)
         return best
 
     def _relocate(self, s: int, source: int, target: int) -> None:
-        f = self.flops[s]
-        self.state.relocate(s, source, target, int(self.lengths[s]), f)
+        f = self.table.flops[s]
+        self.state.relocate(s, source, target, self.table.lengths[s], f)
         self.local_load[source] -= f
         self.local_load[target] += f
 
@@ -125,11 +160,12 @@ class _Refiner:
             self._relocate(partner, target, r)
             self._relocate(s, r, target)
             return
-        f, length = self.flops[s], int(self.lengths[s])
-        self.state.shard_local(r, s, length, f)
+        f = self.table.flops[s]
+        self.state.shard_local(r, s, self.table.lengths[s], f)
         self.local_load[r] -= f
         self.dist += f / self.n
-        self.volume += self.cost.kv_bytes(float(length))
+        self.volume += self.table.kv[s]
+        self.comm = self.clock.comm(self.volume)
 
     def run(self) -> float:
         """Local search until no candidate helps; returns the final modeled Time."""
@@ -141,73 +177,106 @@ class _Refiner:
         return self.current
 
 
-def relocal_lpt(state: DacpState, lengths: Sequence[int], flops: Sequence[float],
-                shard: int | None = None) -> DacpState | None:
+def relocal_lpt(state: DacpState, table: SequenceTable, shard: int | None = None) -> DacpState | None:
     """The distributed set (plus `shard`), locals re-placed heaviest-first; None if one finds no room."""
     n = len(state.remaining)
+    lengths, flops, shards_of = table.lengths, table.flops, table.shards(n)
     distributed = list(state.distributed) + ([] if shard is None else [shard])
-    shards = sum(shard_tokens(int(lengths[i]), n) for i in distributed)
-    bucket = state.remaining[0] + sum(int(lengths[i]) for i in state.local[0]) + sum(
-        shard_tokens(int(lengths[i]), n) for i in state.distributed)
-    dist = sum(flops[i] for i in distributed) / n
-    out = DacpState(remaining=[bucket - shards] * n, load=[dist] * n, local=[[] for _ in range(n)],
-                    distributed=distributed, rollbacks=state.rollbacks)
+    shards = sum(map(shards_of.__getitem__, distributed))
+    bucket = (state.remaining[0] + sum(map(lengths.__getitem__, state.local[0]))
+              + sum(map(shards_of.__getitem__, state.distributed)))
     if bucket - shards < 0:
         return None
+    dist = sum(map(flops.__getitem__, distributed)) / n
+    remaining, load = [bucket - shards] * n, [dist] * n
+    local: list[list[int]] = [[] for _ in range(n)]
     heap = [(dist, j) for j in range(n)]  # (load, rank): the least loaded rank on top
-    local = (i for rank in state.local for i in rank if i != shard)
-    for i in sorted(local, key=lambda i: (-flops[i], i)):
-        length = int(lengths[i])
+    members = sorted(chain.from_iterable(state.local), key=table.weight_rank.__getitem__)  # heaviest first
+    if shard is not None:
+        members = [i for i in members if i != shard]
+    for i in members:
+        length = lengths[i]
         j = heap[0][1]
-        if out.remaining[j] < length:  # rare: the least loaded rank is full, take the next that fits
-            fits = [k for k in range(n) if out.remaining[k] >= length]
+        if remaining[j] < length:  # rare: the least loaded rank is full, take the next that fits
+            fits = [k for k in range(n) if remaining[k] >= length]
             if not fits:
                 return None
-            j = min(fits, key=lambda k: (out.load[k], k))
-        out.place(j, i, length, flops[i])
+            j = min(fits, key=lambda k: (load[k], k))
+        remaining[j] -= length
+        load[j] += flops[i]
+        local[j].append(i)
         if j == heap[0][1]:
-            heapq.heapreplace(heap, (out.load[j], j))
+            heapq.heapreplace(heap, (load[j], j))
         else:
-            heap = [(out.load[k], k) for k in range(n)]
+            heap = [(load[k], k) for k in range(n)]
             heapq.heapify(heap)
-    return out
+    return DacpState(remaining=remaining, load=load, local=local, distributed=distributed,
+                     rollbacks=state.rollbacks)
 
 
-def _heaviest_local(state: DacpState, flops: Sequence[float]) -> int | None:
+def _heaviest_local(state: DacpState, table: SequenceTable) -> int | None:
     """The heaviest local sequence if it alone exceeds the ranks' fair share of local work, else None."""
     local = [i for rank in state.local for i in rank]
     if not local:
         return None
-    heaviest = max(local, key=lambda i: (flops[i], -i))
-    fair = sum(flops[i] for i in local) / len(state.local)
+    flops = table.flops
+    heaviest = min(local, key=table.weight_rank.__getitem__)  # most FLOPs, ties to the lowest index
+    fair = sum(map(flops.__getitem__, local)) / len(state.local)
     return heaviest if flops[heaviest] > fair else None
 
 
-def refine(state: DacpState, lengths: Sequence[int], flops: Sequence[float], cost: CostModel) -> None:
-    """Improve a DacpState in place (see the module docstring); memory invariants are preserved."""
-    if len(state.remaining) <= 1:
+def _chain_bound(state: DacpState, shard: int, table: SequenceTable, clock: Clock) -> float:
+    """A lower bound of the modeled Time of every state the sharding chain reaches from `state` by
+    sharding `shard` next: T_comm(V) + T_comp(Dist) of its distributed set.
+
+    Along the chain the distributed set only grows (relocal_lpt adds a sequence, the local search only
+    ever distributes more), T_comm and T_comp do not decrease with it, and Time >= T_comm(V) +
+    T_comp(Dist) since the overlap term max(T_comm, T_comp(Local_j)) <= overlapped(...). A chain state is
+    adopted only below best * (1 - 1e-9), so once this bound reaches `best` (it is computed with at most
+    a few ulps of error, far below 1e-9) no later state can be adopted and the chain may stop.
+    """
+    distributed = [*state.distributed, shard]
+    volume = sum(map(table.kv.__getitem__, distributed))
+    return clock.comm(volume) + clock.comp(sum(map(table.flops.__getitem__, distributed)) / clock.cp_size)
+
+
+def refine(state: DacpState, lengths: Sequence[int], flops: Sequence[float], cost: CostModel, *,
+           table: SequenceTable | None = None) -> None:
+    """Improve a DacpState in place (see the module docstring); memory invariants are preserved.
+
+    `table`: the batch's SequenceTable over these `lengths` and `flops` (built for the state's sequences
+    when None).
+    """
+    n = len(state.remaining)
+    if n <= 1:
         return
+    if table is None:
+        table = SequenceTable(lengths, flops, cost, [i for rank in state.local for i in rank]
+                              + list(state.distributed))
+    clock = cost.clock(n)
     # nothing beats perfectly spread compute with the ring hidden: stop early when we are there
-    floor = cost.t_comp(sum(flops[i] for rank in state.local for i in rank) / len(state.local)
-                        + sum(flops[i] for i in state.distributed) / len(state.local)) * (1 + 1e-3)
+    floor = clock.comp(sum(map(flops.__getitem__, chain.from_iterable(state.local))) / n
+                       + sum(map(flops.__getitem__, state.distributed)) / n) * (1 + 1e-3)
     best, best_time = state, math.inf
-    lpt = relocal_lpt(state, lengths, flops)  # usually the better start, and cheaper to search
+    lpt = relocal_lpt(state, table)  # usually the better start, and cheaper to search
     if lpt is not None:
-        best, best_time = lpt, _Refiner(lpt, lengths, flops, cost).run()
+        best, best_time = lpt, _Refiner(lpt, table, clock).run()
     if best_time > floor:  # Algorithm 1's own placement, searched, as the other start
-        state_time = _Refiner(state, lengths, flops, cost).run()
-        if state_time <= best_time * (1 - 1e-9):
+        state_time = _Refiner(state, table, clock).run()
+        if state_time <= best_time * _SLACK:
             best, best_time = state, state_time
     candidate = best
-    for _ in range(len(state.remaining)):  # shard dominant local sequences one by one
-        heaviest = None if best_time <= floor else _heaviest_local(candidate, flops)
-        candidate = None if heaviest is None else relocal_lpt(candidate, lengths, flops, shard=heaviest)
+    for _ in range(n):  # shard dominant local sequences one by one
+        heaviest = None if best_time <= floor else _heaviest_local(candidate, table)
+        if heaviest is not None and _chain_bound(candidate, heaviest, table, clock) >= best_time:
+            break  # no state further down the chain can be adopted: stop (the result is the same)
+        candidate = None if heaviest is None else relocal_lpt(candidate, table, shard=heaviest)
         if candidate is None:
             break
         # keep sharding along the chain even without a gain yet: two dominant sequences may both
         # need sharding before the ring traffic pays for itself
-        candidate_time = _Refiner(candidate, lengths, flops, cost).run()
-        if candidate_time < best_time * (1 - 1e-9):
+        candidate_time = _Refiner(candidate, table, clock).run()
+        if candidate_time < best_time * _SLACK:
             best, best_time = candidate, candidate_time
     if best is not state:
         state.adopt(best)

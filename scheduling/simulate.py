@@ -37,8 +37,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from scheduling.cost import CostModel
+import numpy as np
+
+from scheduling.cost import Clock, CostModel
 from scheduling.plans import DacpPlan, StepPlan
 
 
@@ -82,12 +85,43 @@ class StepEstimate:
 def rank_times(plan: DacpPlan, lengths: Sequence[int], flops: Sequence[float],
                cost: CostModel, *, world: int = 1) -> list[float]:
     """Time_j of every CP rank j of one micro-batch; `world` = DP x CP ranks (sizes b)."""
-    n = plan.cp_size
-    dist_flops = sum(flops[i] for i in plan.distributed) / n
-    volume = sum(cost.kv_bytes(float(lengths[i])) for i in plan.distributed)
-    comm = cost.t_comm(volume, n)
-    tail = cost.t_comp(dist_flops) + cost.micro_batch_overhead_s(world)
-    return [cost.overlapped(comm, cost.t_comp(sum(flops[i] for i in rank))) + tail for rank in plan.local]
+    kv = {i: cost.kv_bytes(float(lengths[i])) for i in plan.distributed}
+    return placement_times(plan.local, plan.distributed, flops, kv, cost.clock(plan.cp_size, world))
+
+
+def placement_times(local: Sequence[Sequence[int]], distributed: Sequence[int], flops: Sequence[float],
+                    kv: Any, clock: Clock) -> list[float]:
+    """rank_times of the placement (local per CP rank, distributed) from per-sequence FLOPs and K/V bytes
+    (`kv[i]` = cost.kv_bytes(S_i)) and the micro-batch's cost Clock: the planners' inner loop, which
+    keeps those per batch instead of building a DacpPlan per trial."""
+    comp, overlapped = clock.comp, clock.overlapped
+    dist_flops = sum(map(flops.__getitem__, distributed)) / clock.cp_size
+    comm = clock.comm(sum(map(kv.__getitem__, distributed)))
+    tail = comp(dist_flops) + clock.overhead
+    if not any(local):  # all sharded (or empty): every rank the same, sum(()) = 0 local FLOPs
+        return [overlapped(comm, comp(0)) + tail] * len(local)
+    flops_of = flops.__getitem__
+    return [overlapped(comm, comp(sum(map(flops_of, rank)))) + tail for rank in local]
+
+
+def micro_batch_time(local: Sequence[Sequence[int]], distributed: Sequence[int], flops: Sequence[float],
+                     kv: Any, clock: Clock) -> float:
+    """Modeled seconds of one micro-batch: max_j Time_j (placement_times)."""
+    return max(placement_times(local, distributed, flops, kv, clock))
+
+
+def heaviest_sequence(flops: Sequence[float], lengths: Sequence[int]) -> int:
+    """The index with the most FLOPs, ties to the longest, then to the lowest index (non-empty batch)."""
+    weights = np.asarray(flops, dtype=np.float64)
+    ties = np.flatnonzero(weights == weights.max())
+    if len(ties) == 1:
+        return int(ties[0])
+    return int(ties[np.argmax(np.asarray(lengths, dtype=np.int64)[ties])])  # argmax: the first of equals
+
+
+def perfect_balance_bound(flops: Sequence[float], cost: CostModel, world: int) -> float:
+    """T_comp(sum_k F_k / W) + b(W): every plan's step is at least this (module docstring)."""
+    return cost.t_comp(sum(flops) / world) + cost.micro_batch_overhead_s(world)
 
 
 def lower_bounds(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_size: int,
@@ -100,10 +134,10 @@ def lower_bounds(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_si
     world = dp_size * cp_size
     overhead = cost.micro_batch_overhead_s(world)
     all_flops = cost.sequence_flops(lengths, labels)
-    bound = cost.t_comp(sum(all_flops) / world) + overhead
+    bound = perfect_balance_bound(all_flops, cost, world)
     if not len(lengths):
         return bound, bound
-    heaviest = max(range(len(lengths)), key=lambda i: (all_flops[i], int(lengths[i])))
+    heaviest = heaviest_sequence(all_flops, lengths)
     flops = all_flops[heaviest]
     alone = min(cost.t_comp(flops), cost.t_comm(cost.kv_bytes(float(lengths[heaviest])), cp_size)
                 + cost.t_comp(flops / cp_size)) + overhead
@@ -116,13 +150,15 @@ def simulate(step: StepPlan, lengths: Sequence[int], cost: CostModel,
     indices refer to."""
     flops = cost.sequence_flops(lengths, labels)
     world = step.dp_size * step.cp_size
+    clock = cost.clock(step.cp_size, world)
+    kv = cost.kv_bytes(np.asarray(lengths, dtype=np.float64)).tolist()  # elementwise: kv_bytes(float(S))
     dp_times, busy = [], []
     worst_total = mean_total = 0.0
     for rank in step.micro_batches:
         per_cp = [0.0] * step.cp_size
         total = 0.0
         for mb in rank:
-            times = rank_times(mb, lengths, flops, cost, world=world)
+            times = placement_times(mb.local, mb.distributed, flops, kv, clock)
             total += max(times)
             worst_total += max(times)
             mean_total += sum(times) / len(times)

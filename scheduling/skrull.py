@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduling.cost import CostModel
-from scheduling.gds import plan_gds
+from scheduling.gds import plan_gds_timed
 from scheduling.plans import StepPlan
-from scheduling.simulate import lower_bounds, simulate
+from scheduling.simulate import heaviest_sequence, perfect_balance_bound
 
 
 def skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
@@ -27,12 +27,14 @@ def skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: i
     """GDS + DACP (+ refinement), or the GDS-only plan when the cost model says that one is faster."""
     shape = {"dp_size": dp_size, "cp_size": cp_size, "bucket_size": bucket_size, "cost": cost,
              "labels": labels}
-    plan = plan_gds(lengths, **shape)
-    estimate = simulate(plan, lengths, cost, labels=labels)
-    if estimate.step_s <= all_sharded_floor(lengths, cost, dp_size=dp_size, cp_size=cp_size, labels=labels):
+    # plan_gds_timed's step time is simulate(plan).step_s, from the micro-batch times GDS compared
+    plan, step_s = plan_gds_timed(lengths, **shape)
+    assert step_s is not None  # refine=True: GDS modeled every micro-batch
+    if step_s <= all_sharded_floor(lengths, cost, dp_size=dp_size, cp_size=cp_size, labels=labels):
         return plan  # no all-sharded plan can be faster: skip planning one
-    fallback = plan_gds(lengths, execution="static", **shape)
-    return fallback if simulate(fallback, lengths, cost, labels=labels).step_s < estimate.step_s else plan
+    fallback, fallback_s = plan_gds_timed(lengths, execution="static", **shape)
+    assert fallback_s is not None
+    return fallback if fallback_s < step_s else plan
 
 
 def all_sharded_floor(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_size: int,
@@ -43,11 +45,11 @@ def all_sharded_floor(lengths: Sequence[int], cost: CostModel, *, dp_size: int, 
     local work to hide it under), so step >= perfect-balance bound + that floor; and the longest
     sequence's micro-batch >= T_comm(V*) + T_comp(F*/N) + b.
     """
-    bound, _ = lower_bounds(lengths, cost, dp_size=dp_size, cp_size=cp_size, labels=labels)
+    flops = cost.sequence_flops(lengths, labels)
+    bound = perfect_balance_bound(flops, cost, dp_size * cp_size)  # lower_bounds' first
     if cp_size <= 1 or not len(lengths):
         return bound
-    flops = cost.sequence_flops(lengths, labels)
-    heaviest = max(range(len(lengths)), key=lambda i: (flops[i], int(lengths[i])))
+    heaviest = heaviest_sequence(flops, lengths)
     latency_floor = cost.t_comm(1.0, cp_size)
     alone = (cost.t_comm(cost.kv_bytes(float(lengths[heaviest])), cp_size)
              + cost.t_comp(flops[heaviest] / cp_size) + cost.micro_batch_overhead_s(dp_size * cp_size))

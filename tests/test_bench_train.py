@@ -2,8 +2,8 @@
 
 The smoke test runs the real command (`python -m app bench train --json --plot`) on the tiny CPU config with
 the benchmark's small vocabulary (so no LM head of 152k words dominates), 8 sequences of ~45 tokens a step,
-1 warm-up + 2 counted steps of four policies: one Ray session, ~65 s on 2 cores (Ray, Ray Data, the worker
-group and 4 engines per worker start once; the steps themselves take ~0.2 s).
+1 warm-up + 2 counted steps of five policies: one Ray session, ~65 s on 2 cores (Ray, Ray Data, the worker
+group and 5 engines per worker start once; the steps themselves take ~0.2 s).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from app.commands.bench_train import BASELINES, format_report, plot_bench, summa
 from app.run_files import jsonable
 
 REPO = Path(__file__).resolve().parent.parent
-POLICIES = ("skrull", "static_cp_packed", "static_cp", "sorted")
+POLICIES = ("skrull", "balanced_packed", "static_cp_packed", "static_cp", "sorted")
 PUBLIC_KEYS = {"step_s_median", "tokens_per_s", "predicted_step_s", "prediction_error",
+               "speedup_vs_balanced_packed",
                "speedup_vs_static_cp_packed", "speedup_vs_static_cp", "speedup_vs_sorted",
                "planner_wait_s_median"}
 TINY = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--set", "data.num_samples=24",
@@ -83,11 +84,7 @@ def test_summary_medians_ratios_and_missing_baselines(tmp_path: Path) -> None:
     records = [_record(p, 1, 100.0, warmup=True) for p in ("skrull", "sorted")]
     records += [_record("skrull", s, t) for s, t in ((2, 1.0), (3, 3.0), (4, 2.0))]
     records += [_record("sorted", s, t) for s, t in ((2, 4.0), (3, 4.0), (4, 5.0))]
-    config = SimpleNamespace(parallel=SimpleNamespace(dp_size=1, cp_size=2),
-                             scheduling=SimpleNamespace(bucket_size=64, global_batch_size=4))
-    machine = {"cpus": 2, "load_avg_1_5_15_min": [1.0, 0.5, 0.2]}
-    run = SimpleNamespace(policies=("skrull", "sorted"), records=records, steps=3, warmup_steps=1, wall_s=1.0,
-                          run_dir="r", machine=machine, config=config)
+    run = _run(records, ("skrull", "sorted"))
     summary = summarize(run)
     rows = summary["policies"]
     skrull = rows["skrull"]
@@ -95,9 +92,35 @@ def test_summary_medians_ratios_and_missing_baselines(tmp_path: Path) -> None:
     assert skrull["speedup_vs_sorted"] == 2.0 and rows["sorted"]["speedup_vs_sorted"] == 1.0
     assert skrull["speedup_vs_static_cp"] is None and skrull["speedup_vs_static_cp_packed"] is None
     assert skrull["predicted_step_s"] is None and skrull["prediction_error"] is None
+    assert summary["stale_profile_warning"] is None  # nothing predicted: nothing to compare
     assert skrull["busy_s_per_rank"] == [2.0, 1.0] and skrull["busy_imbalance"] == pytest.approx(4 / 3)
     assert skrull["paired_speedup_vs_sorted"] == 2.5  # median of 4/1, 4/3, 5/2
     assert "skrull: 2.00x vs sorted" in format_report(summary)
     assert json.loads(json.dumps(jsonable(summary)))["policies"]["skrull"]["predicted_step_s"] is None
     plot_bench(summary, str(tmp_path / "summary.png"))
     assert (tmp_path / "summary.png").stat().st_size > 0
+
+
+def _run(records: list[dict], policies: tuple[str, ...]) -> SimpleNamespace:
+    config = SimpleNamespace(parallel=SimpleNamespace(dp_size=1, cp_size=2),
+                             scheduling=SimpleNamespace(bucket_size=64, global_batch_size=4),
+                             hardware=SimpleNamespace(profile="cpu"))
+    machine = {"cpus": 2, "load_avg_1_5_15_min": [1.0, 0.5, 0.2]}
+    return SimpleNamespace(policies=policies, records=records, steps=len(records), warmup_steps=0, wall_s=1.0,
+                           run_dir="r", machine=machine, config=config)
+
+
+@pytest.mark.parametrize(("factor", "stale"), [(3.0, True), (1 / 3, True), (1.25, False), (0.8, False)])
+def test_a_profile_off_by_more_than_30_percent_is_named_with_the_command_that_refreshes_it(factor, stale):
+    records = []
+    for step, measured in enumerate((1.0, 2.0, 1.5, 1.2, 0.9), start=1):
+        for policy in ("skrull", "sorted"):
+            record = _record(policy, step, measured)
+            records.append(record | {"predicted_step_s": measured * factor})
+    summary = summarize(_run(records, ("skrull", "sorted")))
+    warning = summary["stale_profile_warning"]
+    assert (warning is not None) == stale
+    if stale:
+        assert "hardware.profile=cpu" in warning and "python -m app profile --config" in warning
+        assert ("200% slower" if factor > 1 else "200% faster") in warning
+        assert warning in format_report(summary)

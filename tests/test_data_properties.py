@@ -19,7 +19,9 @@ from app.data.tokenizer import load_tokenizer
 from scheduling.payload import IGNORE_INDEX, USABLE_STATUSES, Sample
 
 WORDS = ["the", "data", "model", "answer", "long", "context", "is", "a", "question", "what", "why", "four",
-         "2+2", "?", ".", "\n", "  ", "tokens", "<|im_end|>", "déjà"]
+         "2+2", "?", ".", "\n", "  ", "tokens", "déjà"]
+# No special-token text here: how "<|im_end|>" typed in a message is kept as text (split out and encoded
+# as transformers' sanitize_control_tokens does) is tests/test_chat_templates.py's injection test.
 ROLES = ["system", "user", "assistant"]
 SIDES = ["left", "right"]
 
@@ -33,6 +35,37 @@ chats = st.lists(message, min_size=1, max_size=6)
 @pytest.fixture(scope="module")
 def qwen():
     return load_tokenizer("qwen")
+
+
+def chatml_reference(qwen, chat: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """(ids, labels) of the chat as ChatML, encoded as one string, independently of app/data/.
+
+    ChatML's special tokens split the string, so the text between them ("{role}\\n{content}", then "\\n")
+    is encoded whole by tiktoken's own encode_ordinary (special-token text in a message stays text);
+    a token is labeled when its bytes overlap an assistant content, found by tiktoken's token bytes. BPE
+    may merge across the header/content boundary ("\\n" then a content starting with "\\n"): that token
+    overlaps the content and carries its label.
+    """
+    enc = qwen.backend._tokenizer
+    ids: list[int] = []
+    labels: list[int] = []
+    for message in chat:
+        assistant = message["role"] == "assistant"
+        head = f"{message['role']}\n"
+        lo, hi = len(head.encode()), len((head + message["content"]).encode())
+        ids.append(qwen.im_start_id)
+        labels.append(IGNORE_INDEX)
+        position = 0
+        for token in enc.encode_ordinary(head + message["content"]):
+            start, position = position, position + len(enc.decode_single_token_bytes(token))
+            ids.append(token)
+            labels.append(token if assistant and start < hi and position > lo else IGNORE_INDEX)
+        ids.append(qwen.im_end_id)
+        labels.append(qwen.im_end_id if assistant else IGNORE_INDEX)
+        newline = enc.encode_ordinary("\n")
+        ids += newline
+        labels += [IGNORE_INDEX] * len(newline)
+    return ids, labels
 
 
 def expected_window(ids: np.ndarray, labels: np.ndarray, max_length: int,
@@ -66,10 +99,10 @@ def test_usable_rows_train_on_exactly_the_surviving_assistant_tokens(qwen, chat,
     if not has_answer:
         return
     full_ids, full_labels = whole.input_ids[0], whole.labels[0]
-    # The untruncated labels are the assistant messages' tokens (content + <|im_end|>) and nothing else.
-    assistant = [t for m in chat if m["role"] == "assistant"
-                 for t in [*qwen.encode(m["content"]), qwen.im_end_id]]
-    assert full_labels[full_labels != IGNORE_INDEX].tolist() == assistant
+    # The untruncated row is the whole ChatML string encoded at once, labeled on the tokens that overlap
+    # an assistant message's content, plus its <|im_end|>, and nothing else.
+    ref_ids, ref_labels = chatml_reference(qwen, chat)
+    assert full_ids.tolist() == ref_ids and full_labels.tolist() == ref_labels
     win_ids, win_labels, trained = expected_window(full_ids, full_labels, max_length, side)
     if status == "truncated_empty":
         assert len(full_ids) > max_length and trained == []

@@ -30,14 +30,32 @@ def test_summary_reports_label_tokens_and_what_truncation_did() -> None:
     assert clean.summary() == "data: 3/3 rows usable, 15 tokens (7 label tokens)"
 
 
+
+def test_summary_names_the_formats_unless_every_row_is_messages() -> None:
+    """The rows by format close the line (most first); a messages-only (or synthetic) run's line is as
+    it was, and a scan without the malformed rows shows their count and reasons before the formats."""
+    mixed = DataScan(num_rows=320, lengths=np.full(318, 170), label_tokens=12000,
+                     counts=_counts(ok=318, malformed=2), formats={"sharegpt": 310, "alpaca": 8})
+    mixed.malformed.add(["malformed", "malformed"], ["no messages column", "no messages column"])
+    assert mixed.summary() == ("data: 318/320 rows usable, 54060 tokens (12000 label tokens), malformed=2 "
+                               "(2 'no messages column'; first: row 0); formats: sharegpt=310, alpaca=8")
+    one = DataScan(num_rows=3, lengths=np.array([4, 5, 6]), label_tokens=7, counts=_counts(ok=3),
+                   formats={"text": 3})
+    assert one.summary() == "data: 3/3 rows usable, 15 tokens (7 label tokens); formats: text=3"
+    chats = DataScan(num_rows=3, lengths=np.array([4, 5, 6]), label_tokens=7, counts=_counts(ok=3),
+                     formats={"messages": 3})
+    assert chats.summary() == "data: 3/3 rows usable, 15 tokens (7 label tokens)"
+
+
 def test_tokenize_batch_output_columns() -> None:
     table = pa.table({"messages": pa.array([LONG_CONTEXT, LONG_CONTEXT[:1]], MESSAGES_TYPE)})
     for side, expected in (("left", ["truncated", "empty"]), ("right", ["truncated_empty", "empty"])):
         cfg = load_config(None, ["data.too_long=truncate", f"data.truncate_side={side}"]).data
         out = TokenizeBatch("qwen", template_settings(cfg, 32))(table)
         assert out.column_names == ["input_ids", "labels", "num_tokens", "raw_tokens", "label_tokens",
-                                    "status", "reason"]
+                                    "status", "reason", "format"]
         assert out.column("reason").to_pylist() == ["", ""]
+        assert out.column("format").to_pylist() == ["messages", "messages"]
         assert out.column("status").to_pylist() == expected
         assert out.column("label_tokens").type == pa.int64()
         labels = out.column("labels").to_pylist()[0]

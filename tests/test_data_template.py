@@ -1,4 +1,5 @@
-"""Qwen chat template, label masking, row statuses, the length limit and truncation (pure: no Ray)."""
+"""The bundled qwen tokenizer's ChatML, label masking, row statuses, the length limit and truncation (pure:
+no Ray). Templates of other tokenizers, tools and the label-span rules: tests/test_chat_templates.py."""
 
 from __future__ import annotations
 
@@ -69,7 +70,21 @@ def test_labels_all_and_text_rows(qwen) -> None:
     rows = [{"messages": CHAT}, {"text": "plain text row"}]
     out = tokenize_rows(rows, qwen, TemplateSettings(labels="all"))
     assert out.labels[0].tolist() == out.input_ids[0].tolist()
-    assert out.input_ids[1].tolist() == qwen.encode("plain text row") == out.labels[1].tolist()
+    # text rows end with the tokenizer's EOS, which carries a loss (data.add_eos)
+    assert out.input_ids[1].tolist() == qwen.encode("plain text row") + [ENDOFTEXT] == out.labels[1].tolist()
+    assert out.format == ["messages", "text"]
+    bare = tokenize_rows(rows[1:], qwen, TemplateSettings(add_eos=False))
+    assert bare.input_ids[0].tolist() == qwen.encode("plain text row") == bare.labels[0].tolist()
+
+
+def test_answers_that_start_with_whitespace_encode_as_the_whole_string(qwen) -> None:
+    """The rendered chat is encoded whole: BPE may merge the header's newline with the answer's."""
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\n\n  spaced out\n"}]
+    out = tokenize_rows([{"messages": chat}], qwen, TemplateSettings())
+    assert out.input_ids[0].tolist() == qwen.backend.encode(render(chat))
+    labeled = [t for t in out.labels[0].tolist() if t != IGNORE_INDEX]
+    # the token merged across the header's "\n" and the answer carries the loss (it holds the answer)
+    assert qwen.backend.decode(labeled).endswith("\n\n  spaced out\n<|im_end|>")
 
 
 def test_special_token_text_inside_content_stays_text(qwen) -> None:
@@ -93,11 +108,16 @@ def test_malformed_and_empty_rows_are_counted_not_raised(qwen) -> None:
         {"text": "fine"},                                        # one token: no next token to learn
         {"json_line": '{"text": "fine, thanks"}'},
     ]
-    out = tokenize_rows(rows, qwen, TemplateSettings())
+    out = tokenize_rows(rows, qwen, TemplateSettings(add_eos=False))
     assert out.status == ["ok"] + ["malformed"] * 6 + ["empty"] * 4 + ["ok"]
     assert all(n == 0 for n, s in zip(out.num_tokens, out.status, strict=True) if s != "ok")
     assert out.label_tokens[0] == count_label_tokens(out.labels[0]) > 0 and out.label_tokens[-1] == 2
     assert all(n == 0 for n, s in zip(out.label_tokens, out.status, strict=True) if s != "ok")
+    assert all(bool(r) == (s == "malformed") for r, s in zip(out.reason, out.status, strict=True))
+    assert all(bool(f) == (s != "malformed") for f, s in zip(out.format, out.status, strict=True))
+    # With EOS (the default) "fine" has a next token to learn; "" and an empty chat are EOS alone
+    eos = tokenize_rows(rows, qwen, TemplateSettings())
+    assert eos.status[7:] == ["empty", "empty", "empty", "ok", "ok"] and eos.label_tokens[-1] == 3
 
 
 @pytest.mark.parametrize(("policy", "side", "status", "kept"), [

@@ -4,8 +4,9 @@ A head node (driver, Ray Data, planner) and worker nodes that each declare one `
 exactly one train worker. With `parallel.num_workers: [1, 2]`, removing a worker node mid-run must continue
 on the other from the newest checkpoint, re-planned for DP=1; adding a node to a DP=1 run must grow the
 group to DP=2 (Ray Train's resize monitor), re-planned from its newest checkpoint; samples.jsonl must stay
-exact throughout. Shrinking and growing are one run each: one run doing both took ~90 s on 2 cores, the
-slowest test of the suite, and each scenario needs only its own restart.
+exact throughout, on a file of chats visited in a new seeded order each epoch (data.shuffle). Shrinking
+and growing are one run each: one run doing both took ~90 s on 2 cores, the slowest test of the suite,
+and each scenario needs only its own restart.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ray = pytest.importorskip("ray")
 
 from app.config import load_config  # noqa: E402
 from app.driver import TrainSummary, train  # noqa: E402
-from tests.run_configs import SMALL_VOCAB  # noqa: E402
+from tests.run_configs import SMALL_VOCAB, shuffled_chats, shuffled_step_ids  # noqa: E402
 
 # 15 steps of 8 = three whole epochs of 40: the run outlasts a node change at step 2-3 by a dozen steps.
 NUM_SAMPLES, BATCH, STEPS = 40, 8, 15
@@ -56,6 +57,12 @@ def cluster(suite_ray) -> Iterator[object]:
     os.environ.pop("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", None)
     if previous is not None:
         os.environ["RAY_ADDRESS"] = previous
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The resized runs' data: NUM_SAMPLES short chats in a parquet file, shuffled (tests/run_configs.py)."""
+    return shuffled_chats(tmp_path_factory.mktemp("chats"), NUM_SAMPLES)
 
 
 def _steps(run_dir: Path) -> dict[int, list[dict]]:
@@ -154,10 +161,10 @@ class _Run(threading.Thread):
         return self.summary
 
 
-def _elastic_run(tmp_path: Path, name: str) -> _Run:
+def _elastic_run(tmp_path: Path, name: str, chats: list[str]) -> _Run:
     config = load_config("configs/tiny-cpu.yaml", [
-        f"run.storage_path={tmp_path}", f"run.name={name}", f"data.num_samples={NUM_SAMPLES}",
-        "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", SMALL_VOCAB, f"train.steps={STEPS}",
+        f"run.storage_path={tmp_path}", f"run.name={name}", *chats,
+        f"scheduling.global_batch_size={BATCH}", SMALL_VOCAB, f"train.steps={STEPS}",
         "parallel.cp_size=1", "parallel.num_workers=[1, 2]", "parallel.resize_check_s=1",
         "resources.cpus_per_worker=0", "resources.worker_resources={train_slot: 1}",
         "train.checkpoint_every=1", "train.max_failures=4", "train.collective_timeout_s=15",
@@ -175,28 +182,30 @@ def _assert_resized_and_exact(summary: TrainSummary, run_dir: Path, *, first_dp:
     by_step = _steps(run_dir)
     assert sorted(by_step) == list(range(1, STEPS + 1))
     by_epoch: dict[int, list[int]] = {}
-    for records in by_step.values():
+    for step, records in by_step.items():
         assert len(records) == len({r["dp_rank"] for r in records})  # one line per DP rank of that step
+        # data.shuffle: each step the next batch of its epoch's seeded order, across every resize
+        assert {i for r in records for i in r["sample_ids"]} == shuffled_step_ids(step, NUM_SAMPLES, BATCH)
         for record in records:
             by_epoch.setdefault(record["epoch"], []).extend(record["sample_ids"])
     for ids in by_epoch.values():  # 15 steps x 8 = 3 whole epochs of 40: each id once per epoch
         assert sorted(ids) == list(range(NUM_SAMPLES))
 
 
-def test_losing_a_node_shrinks_the_worker_group_to_dp1(cluster, tmp_path: Path) -> None:
+def test_losing_a_node_shrinks_the_worker_group_to_dp1(cluster, chats, tmp_path: Path) -> None:
     _train_slots(cluster, 2)
     run_dir = tmp_path / "shrink"
-    run = _elastic_run(tmp_path, "shrink")
+    run = _elastic_run(tmp_path, "shrink", chats)
     _wait_for(lambda: max(_steps(run_dir), default=0) >= 3 and _dp_of_last_step(run_dir) == 2, "DP=2 steps")
     cluster.remove_node(cluster.worker_nodes.copy().pop())  # one worker node (and its train worker) is gone
     _refresh_ray_trains_view(slots=1)
     _assert_resized_and_exact(run.finish(), run_dir, first_dp=2, last_dp=1)
 
 
-def test_regaining_a_node_grows_the_worker_group_to_dp2(cluster, tmp_path: Path) -> None:
+def test_regaining_a_node_grows_the_worker_group_to_dp2(cluster, chats, tmp_path: Path) -> None:
     _train_slots(cluster, 1)
     run_dir = tmp_path / "grow"
-    run = _elastic_run(tmp_path, "grow")
+    run = _elastic_run(tmp_path, "grow", chats)
     _wait_for(lambda: max(_steps(run_dir), default=0) >= 2, "DP=1 steps")
     with _hold_the_planner("grow"):
         cluster.add_node(num_cpus=0, resources=SLOT)

@@ -17,7 +17,8 @@ import pytest
 
 from app.__main__ import main
 from app.config import ConfigError, load_config
-from app.data.lengths import dataset_token_lengths
+from app.data.formats import NO_FORMAT
+from app.data.lengths import dataset_token_lengths, scan_local
 from app.data.malformed import MalformedTally, check_malformed
 from app.data.pipeline import DataScan, scan_dataset, template_settings
 from app.data.ray_ops import TokenizeBatch
@@ -26,9 +27,8 @@ from app.data.template import TemplateSettings, tokenize_rows
 from app.data.tokenizer import load_tokenizer
 
 GOOD = {"messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]}
-LIST_CONTENT = {"messages": [{"role": "user", "content": "Hi"},
-                             {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]}]}
-LIST_REASON = "messages[1].content is a list, not a string"
+NUMBER_CONTENT = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": 4}]}
+NUMBER_REASON = "messages[1].content is a number, not a string"
 
 
 class _Batches:
@@ -52,8 +52,8 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any] | str]) -> Path:
 
 
 def _half_malformed(tmp_path: Path) -> Path:
-    """80 lines: good rows at even positions, list-content rows at odd ones (the first at row 1)."""
-    return _write_jsonl(tmp_path / "half.jsonl", [GOOD if i % 2 == 0 else LIST_CONTENT for i in range(80)])
+    """80 lines: good rows at even positions, number-content rows at odd ones (the first at row 1)."""
+    return _write_jsonl(tmp_path / "half.jsonl", [GOOD if i % 2 == 0 else NUMBER_CONTENT for i in range(80)])
 
 
 def _scan(path: Path, *sets: str) -> DataScan:
@@ -67,7 +67,7 @@ def _scan(path: Path, *sets: str) -> DataScan:
 
 def test_every_malformed_row_says_why() -> None:
     rows = [
-        GOOD, LIST_CONTENT,
+        GOOD, NUMBER_CONTENT,
         {"json_line": '{"messages": [1, 2'},
         {"json_line": "[1, 2]"},
         {},
@@ -79,10 +79,10 @@ def test_every_malformed_row_says_why() -> None:
     ]
     out = tokenize_rows(rows, load_tokenizer("qwen"), TemplateSettings())
     assert out.reason == [
-        "", LIST_REASON,
+        "", NUMBER_REASON,
         "bad JSON (Expecting ',' delimiter)",
         "a JSON line must be an object, not a list",
-        "no messages or text column",
+        NO_FORMAT,
         "messages is a string, not a list of {role, content}",
         "messages[0] has no content",
         "messages[0].role is a number, not a string",
@@ -100,26 +100,26 @@ def test_scan_counts_malformed_rows_by_reason_and_stops_above_the_fraction(tmp_p
     assert f"data.path={str(path)!r}" in message
     assert "40 of 80 rows read (fraction 0.5) are malformed" in message
     assert "data.max_malformed_fraction=0.05" in message
-    assert f"most common reason: {LIST_REASON!r} (40 rows), first malformed row: 1" in message
+    assert f"most common reason: {NUMBER_REASON!r} (40 rows), first malformed row: 1" in message
 
     scan = _scan(path, "data.max_malformed_fraction=0.6")
     assert scan.num_rows == 80 and scan.num_usable == 40 and scan.counts["malformed"] == 40
-    assert dict(scan.malformed.reasons) == {LIST_REASON: 40}
-    assert scan.malformed.first == (1, LIST_REASON)
+    assert dict(scan.malformed.reasons) == {NUMBER_REASON: 40}
+    assert scan.malformed.first == (1, NUMBER_REASON)
     assert scan.summary().startswith("data: 40/80 rows usable, ")
-    assert scan.summary().endswith(f"malformed=40 (40 {LIST_REASON!r}; first: row 1)")
+    assert scan.summary().endswith(f"malformed=40 (40 {NUMBER_REASON!r}; first: row 1)")
 
 
 def test_mixed_reasons_name_the_first_row_and_the_most_common(tmp_path: Path) -> None:
-    rows: list[dict[str, Any] | str] = [GOOD] * 6 + ["not json", {"prompt": "x"}, LIST_CONTENT, LIST_CONTENT]
+    rows: list[dict[str, Any] | str] = [GOOD] * 6 + ["not json", {"prompt": "x"}, *[NUMBER_CONTENT] * 2]
     scan = _scan(_write_jsonl(tmp_path / "mixed.jsonl", rows), "data.max_malformed_fraction=0.5")
     assert scan.malformed.first == (6, "bad JSON (Expecting value)")
     assert scan.summary().endswith(
-        f"malformed=4 (2 {LIST_REASON!r}, 1 'bad JSON (Expecting value)', 1 'no messages or text column'; "
+        f"malformed=4 (2 {NUMBER_REASON!r}, 1 'bad JSON (Expecting value)', 1 {NO_FORMAT!r}; "
         "first: row 6, 'bad JSON (Expecting value)')")
     assert scan.malformed.as_json() == {
-        "count": 4, "by_reason": {LIST_REASON: 2, "bad JSON (Expecting value)": 1,
-                                  "no messages or text column": 1},
+        "count": 4, "by_reason": {NUMBER_REASON: 2, "bad JSON (Expecting value)": 1,
+                                  NO_FORMAT: 1},
         "first_row": 6, "first_reason": "bad JSON (Expecting value)"}
 
 
@@ -143,7 +143,7 @@ def test_plan_lengths_apply_the_same_limit(tmp_path: Path) -> None:
 def test_a_clean_file_and_the_limit_itself_pass(tmp_path: Path) -> None:
     assert _scan(_write_jsonl(tmp_path / "clean.jsonl", [GOOD] * 4)).summary().endswith("label tokens)")
     tally = MalformedTally()
-    tally.add(["ok"] * 19 + ["malformed"], [""] * 19 + ["no messages or text column"])
+    tally.add(["ok"] * 19 + ["malformed"], [""] * 19 + [NO_FORMAT])
     check_malformed(load_config(None, []).data, tally)  # 1/20 = 0.05 is not above the default
 
 
@@ -152,7 +152,7 @@ def test_eval_path_errors_name_data_eval_path(tmp_path: Path) -> None:
     data = load_config(None, ["data.source=path", f"data.path={tmp_path / 'train.jsonl'}",
                               f"data.eval_path={path}"]).data
     tally = MalformedTally()
-    tally.add(["ok", "malformed"], ["", LIST_REASON])
+    tally.add(["ok", "malformed"], ["", NUMBER_REASON])
     with pytest.raises(ConfigError) as err:
         check_malformed(eval_data_config(data), tally)
     message = str(as_eval_path_error(err.value, data))
@@ -166,12 +166,54 @@ def test_max_malformed_fraction_is_validated() -> None:
 
 
 def test_plan_on_an_unreadable_file_names_the_file_fraction_and_reason(tmp_path: Path, capsys) -> None:
-    path = _write_jsonl(tmp_path / "tools.jsonl", [LIST_CONTENT] * 12)
+    path = _write_jsonl(tmp_path / "numbers.jsonl", [NUMBER_CONTENT] * 12)
     code = main(["plan", "--config", "configs/tiny-cpu.yaml", "--set", "data.source=path",
                  "--set", f"data.path={path}", "--set", "plan.num_batches=1"])
     err = capsys.readouterr().err
     assert code == 2
     assert f"skrull plan: error: data.path={str(path)!r}: 12 of 12 rows read (fraction 1) are malformed" \
         in err
-    assert f"most common reason: {LIST_REASON!r}" in err and "data.max_malformed_fraction=0.05" in err
+    assert f"most common reason: {NUMBER_REASON!r}" in err and "data.max_malformed_fraction=0.05" in err
     assert "gave 0 sequences" not in err
+
+
+MIXED = [
+    GOOD,
+    {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
+    {"instruction": "Name a color.", "input": "", "output": "Blue."},
+    {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}],
+     "system": "Be terse."},
+    {"prompt": "The sky is", "completion": " blue."},
+    {"text": "A plain text row."},
+    {"question": "no known column"},
+    {"conversations": [{"from": "bot", "value": "?"}]},
+]
+MIXED_FORMATS = {"sharegpt": 2, "alpaca": 1, "messages": 1, "prompt_completion": 1, "text": 1}
+
+
+def test_the_summary_says_which_format_read_the_rows(tmp_path: Path) -> None:
+    """data.format_type=auto reads each row by its keys; the line counts the rows read by format, and the
+    malformed ones (no format's keys, or a format's keys it could not read) by reason."""
+    path = _write_jsonl(tmp_path / "mixed.jsonl", MIXED)
+    scan = _scan(path, "data.max_malformed_fraction=0.3")
+    assert scan.num_rows == 8 and scan.num_usable == 6 and scan.formats == MIXED_FORMATS
+    bot = "conversations[0].from is 'bot', not one of human, gpt, system, tool, function_call, observation " \
+          "(or user, assistant)"
+    assert scan.summary().endswith(
+        f"malformed=2 (1 {NO_FORMAT!r}, 1 {bot!r}; first: row 6, {NO_FORMAT!r}); "
+        "formats: sharegpt=2, alpaca=1, messages=1, prompt_completion=1, text=1")
+    plan = scan_local(load_config(None, ["data.source=path", f"data.path={path}",
+                                         "data.max_malformed_fraction=0.3"]).data)
+    assert plan.as_json()["formats"] == MIXED_FORMATS and len(plan.lengths) == 6
+    assert plan.as_json()["malformed"]["count"] == 2
+
+
+def test_the_stop_message_says_how_to_tell_the_format(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "keys.jsonl", [{"question": "q", "answer": "a"}] * 3)
+    with pytest.raises(ConfigError) as err:
+        _scan(path)
+    assert f"most common reason: {NO_FORMAT!r} (3 rows)" in str(err.value)
+    assert "data.format_type=auto (auto|messages|sharegpt|alpaca|prompt_completion|text) and data.columns" \
+        in str(err.value)
+    mapped = _scan(path, "data.columns={instruction: question, output: answer}")
+    assert mapped.num_usable == 3 and mapped.formats == {"alpaca": 3}

@@ -171,3 +171,15 @@ def test_the_repos_own_configs_pass(tmp_path: Path, path: Path) -> None:
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama"])
 def test_tiny_presets_take_their_vocabulary_from_the_tokenizer(tmp_path, preset, tokenizer) -> None:
     check_model_support(_config(tmp_path, f"model.name_or_path={preset}", f"data.tokenizer={tokenizer}"))
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_length_dependent_rope_is_exact_only_up_to_its_original_context(kind) -> None:
+    from app.model_support import attention_problems
+
+    hf = {"model_type": "phi3", "original_max_position_embeddings": 4096,
+          "rope_scaling": {"rope_type": kind, "short_factor": [1.0], "long_factor": [2.0]}}
+    assert attention_problems(hf, 4096) == []
+    (problem,) = attention_problems(hf, 4097)
+    assert f"{kind} RoPE scaling (rope_scaling)" in problem and "4096" in problem
+    assert attention_problems({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 10**6) == []

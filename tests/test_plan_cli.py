@@ -12,7 +12,8 @@ from app.config import ConfigError
 from scheduling import POLICIES
 
 PAPER = "configs/paper/qwen2.5-0.5b-lmsys.yaml"
-KEYS = {"modeled_step_s", "speedup_vs_static_cp", "speedup_vs_sorted", "bound_ratio", "dp_imbalance",
+KEYS = {"modeled_step_s", "speedup_vs_balanced_packed", "speedup_vs_static_cp", "speedup_vs_sorted",
+        "bound_ratio", "dp_imbalance",
         "cp_imbalance", "distributed_token_fraction", "plan_ms_median", "plan_ms_p99", "bound_ratio_median",
         "bound_ratio_feasible"}
 
@@ -71,8 +72,9 @@ def test_plan_says_how_many_rows_too_long_changed(capsys, mode: str):
             "--set", f"data.too_long={mode}"]
     assert _run(plan, [*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"policies", "too_long"} and set(out["policies"]) == set(POLICIES)
+    assert set(out) == {"policies", "too_long", "data"} and set(out["policies"]) == set(POLICIES)
     report = out["too_long"]
+    assert out["data"]["formats"] == {"synthetic": report["sampled"]}
     assert report["mode"] == mode and report["limit"] == 2000 and 0 < report["rows"] < report["sampled"]
     # The count is the sampled sequences over the limit (the synthetic source draws 2x for drop only).
     config = load_config(PAPER, ["plan.num_batches=1", "data.max_length=2000", f"data.too_long={mode}"])
@@ -110,3 +112,18 @@ def test_apply_too_long_returns_the_rows_it_changed():
         kept, changed = apply_too_long(lengths, config)
         assert kept.tolist() == expected and changed == 2
     assert apply_too_long(lengths, load_config(None, ["data.max_length=100"]))[1] == 0
+
+
+def test_plan_json_says_which_row_format_read_each_file(capsys, tmp_path):
+    from tests.chat_fixtures import build_llama3_tokenizer, write_format_files
+
+    files = write_format_files(tmp_path / "data")
+    tokenizer = build_llama3_tokenizer(tmp_path / "tokenizer")  # renders tool calls (ChatML cannot)
+    argv = ["--config", PAPER, "--set", "data.source=path", "--set", f"data.path={tmp_path / 'data'}",
+            "--set", f"data.tokenizer={tokenizer}",
+            "--set", "scheduling.global_batch_size=4", "--set", "plan.num_batches=4", "--json"]
+    assert _run(plan, argv) == 0
+    data = json.loads(capsys.readouterr().out)["data"]
+    assert data["rows"] == data["usable_rows"] == 4 * len(files)
+    assert data["formats"] == {"sharegpt": 4, "alpaca": 4, "messages": 4, "prompt_completion": 4}
+    assert data["malformed"]["count"] == 0

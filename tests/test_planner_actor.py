@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -124,3 +126,140 @@ def test_a_dead_planner_is_reported_as_such(local_ray) -> None:
     ray.kill(planner)
     with pytest.raises(PlannerError, match="the planner actor died before step 1"):
         PlannerClient(planner, timeout_s=30).fetch(1, 0, 0)
+
+
+# ------------------------------------------------------------------------------------------- data.shuffle
+SHUFFLE_ROWS, SHUFFLE_BATCH = 42, 6
+"""42 rows, 6 of them malformed (i % 7 == 3): 36 usable, 6 steps of 6 an epoch."""
+
+
+def _usable_positions(rows: list[dict]) -> list[int]:
+    return [i for i, row in enumerate(rows) if row["status"] == "ok"]
+
+
+def _expected_batches(rows: list[dict], *, shuffle: bool, seed: int,
+                      epochs: int) -> list[tuple[int, set[int], int]]:
+    """(epoch, sample ids, cursor rows) of each step, written out from the contract: an epoch visits the
+    rows in numpy's permutation seeded by [seed, epoch] (stream order without shuffle), skips unusable rows
+    and cuts batches of SHUFFLE_BATCH; the cursor counts the rows visited up to a batch's last row."""
+    usable = set(_usable_positions(rows))
+    batches = []
+    for epoch in range(epochs):
+        order = np.random.default_rng([seed, epoch]).permutation(len(rows)) if shuffle else range(len(rows))
+        visited = [(k + 1, int(p)) for k, p in enumerate(order) if int(p) in usable]
+        for first in range(0, len(visited), SHUFFLE_BATCH):
+            chunk = visited[first:first + SHUFFLE_BATCH]
+            batches.append((epoch, {p for _, p in chunk}, chunk[-1][0]))
+    return batches
+
+
+def _step_ids(payload: RankPayload) -> set[int]:
+    return {i for per_dp in payload.sample_ids_by_dp_rank for i in per_dp}
+
+
+def _fetch_all_ranks(planner, step: int, dp_size: int = 2) -> dict[tuple[int, int], RankPayload]:
+    return {(d, c): fetch_payload(planner, step, d, c) for d in range(dp_size) for c in range(2)}
+
+
+def _digest(payload: RankPayload) -> tuple:
+    """What a rank trains on in a step: ids, epoch, cursor and every micro-batch's plan and token ids."""
+    def tokens(arrays: dict[int, np.ndarray]) -> tuple:
+        return tuple((key, array.tolist()) for key, array in sorted(arrays.items()))
+
+    batches = tuple((mb.plan, tokens(mb.input_ids), tokens(mb.labels)) for mb in payload.micro_batches)
+    return payload.step, payload.epoch, payload.cursor, payload.sample_ids_by_dp_rank, batches
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_each_epoch_visits_every_usable_sample_once_in_its_order(local_ray, shuffle: bool) -> None:
+    rows = _rows(SHUFFLE_ROWS)
+    steps = 2 * len(_usable_positions(rows)) // SHUFFLE_BATCH
+    settings = _settings(total_steps=steps, prefetch=steps, global_batch_size=SHUFFLE_BATCH, shuffle=shuffle,
+                         data_seed=11)
+    planner = PlannerActor.remote(ray.data.from_items(rows, override_num_blocks=5), settings, COST)
+    payloads = [fetch_payload(planner, step, 0, 0) for step in range(1, steps + 1)]
+    got = [(p.epoch, _step_ids(p), p.cursor.rows) for p in payloads]
+    assert got == _expected_batches(rows, shuffle=shuffle, seed=11, epochs=2)
+    for epoch in (0, 1):
+        ids = [i for p in payloads if p.epoch == epoch for per_dp in p.sample_ids_by_dp_rank for i in per_dp]
+        assert sorted(ids) == _usable_positions(rows)  # every usable sample exactly once an epoch
+    first, second = ([_step_ids(p) for p in payloads if p.epoch == e] for e in (0, 1))
+    assert (first != second) == shuffle  # a new order each epoch when shuffling, the stream order when not
+
+
+def test_a_shuffled_epoch_skips_the_held_out_positions(local_ray) -> None:
+    """The eval split is by stream position (scheduling/holdout.py), whatever the visiting order."""
+    from scheduling.holdout import held_out
+
+    rows = _rows(SHUFFLE_ROWS)
+    held = set(np.flatnonzero(held_out(np.arange(SHUFFLE_ROWS), seed=11, fraction=0.3)).tolist())
+    train_ids = set(_usable_positions(rows)) - held
+    steps = len(train_ids) // SHUFFLE_BATCH  # whole batches of epoch 0
+    assert held and steps >= 2
+    settings = _settings(total_steps=steps, prefetch=steps, global_batch_size=SHUFFLE_BATCH, shuffle=True,
+                         data_seed=11, eval_fraction=0.3)
+    planner = PlannerActor.remote(ray.data.from_items(rows, override_num_blocks=5), settings, COST)
+    payloads = [fetch_payload(planner, step, 0, 0) for step in range(1, steps + 1)]
+    order = [int(p) for p in np.random.default_rng([11, 0]).permutation(SHUFFLE_ROWS) if int(p) in train_ids]
+    assert [_step_ids(p) for p in payloads] == [set(order[i:i + SHUFFLE_BATCH])
+                                                for i in range(0, steps * SHUFFLE_BATCH, SHUFFLE_BATCH)]
+    assert all(p.epoch == 0 for p in payloads)
+
+
+def test_a_shuffled_planner_restarted_mid_epoch_publishes_the_same_remaining_steps(local_ray) -> None:
+    """A resumed run: a new planner from step 4's cursor, and the same actor restarted through `restart`
+    (what a restarted worker group calls) on another DP size, against one uninterrupted planner."""
+    dataset = ray.data.from_items(_rows(SHUFFLE_ROWS), override_num_blocks=5)
+    settings = _settings(global_batch_size=SHUFFLE_BATCH, shuffle=True, data_seed=3, total_steps=10,
+                         prefetch=10)
+    fresh = PlannerActor.remote(dataset, settings, COST)
+    uninterrupted = {step: _fetch_all_ranks(fresh, step) for step in range(1, 11)}  # crosses into epoch 1
+    cursor = uninterrupted[4][0, 0].cursor
+    assert cursor.epoch == 0 and 0 < cursor.rows < SHUFFLE_ROWS  # mid-epoch, rows counted in visit order
+
+    resumed = PlannerActor.remote(dataset, dataclasses.replace(settings, total_steps=6), COST, cursor, 5)
+    for step in range(5, 11):
+        assert {r: _digest(p) for r, p in _fetch_all_ranks(resumed, step).items()} == \
+            {r: _digest(p) for r, p in uninterrupted[step].items()}, f"step {step}"
+
+    ray.get(fresh.restart.remote("group-2", cursor, 5, 1))  # DP 1 x CP 2 from step 4's checkpoint
+    for step in range(5, 11):
+        smaller = _fetch_all_ranks(fresh, step, dp_size=1)
+        assert _step_ids(smaller[0, 0]) == _step_ids(uninterrupted[step][0, 0])  # the same global batch
+        assert smaller[0, 0].cursor == uninterrupted[step][0, 0].cursor
+
+
+def test_the_row_table_of_a_materialized_dataset_is_its_stream(local_ray) -> None:
+    """20k rows in 313 blocks (~64 rows each, as data.tokenize_batch_size makes them): the planner's random
+    access (scheduling/row_table.py) reads every row as Ray Data's own iter_rows streams it. Prints the
+    costs (pytest -rP): the pass that builds the table, a shuffled epoch of lookups, one iter_rows pass."""
+    import time
+
+    import pyarrow as pa
+
+    from scheduling.actor import read_row_table
+    from scheduling.order import epoch_order
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(20, 400, size=20_000)
+    ids = pa.array([rng.integers(0, 150_000, n).tolist() for n in lengths], pa.list_(pa.int32()))
+    whole = pa.table({"input_ids": ids, "labels": ids, "status": pa.array(["ok", "truncated"] * 10_000),
+                      "reason": pa.array([""] * 20_000), "num_tokens": pa.array(lengths)})
+    dataset = ray.data.from_arrow([whole.slice(i, 64) for i in range(0, 20_000, 64)]).materialize()
+    started = time.perf_counter()
+    table = read_row_table(dataset)
+    built_s = time.perf_counter() - started
+    started = time.perf_counter()
+    looked_up = {int(p): table.tokens(int(p)) for p in epoch_order(len(table), 0, 0)}
+    statuses = [table.status(p) for p in range(len(table))]
+    epoch_s = time.perf_counter() - started
+    started = time.perf_counter()
+    stream = list(dataset.iter_rows())
+    stream_s = time.perf_counter() - started
+    assert len(table) == len(stream) == 20_000
+    for position, row in enumerate(stream):
+        input_ids, labels = looked_up[position]
+        assert np.array_equal(input_ids, row["input_ids"]) and np.array_equal(labels, row["labels"])
+        assert statuses[position] == row["status"]
+    print(f"row table of 20k rows / 313 blocks: built in {built_s:.2f} s, a shuffled epoch of lookups "
+          f"{epoch_s:.2f} s ({epoch_s / 20_000 * 1e6:.1f} us a row); one iter_rows pass {stream_s:.2f} s")

@@ -121,3 +121,23 @@ def test_resume_compares_math_keys_and_a_key_newer_than_the_run_is_its_default(t
             check_resume(changed, tmp_path)
         check_resume(load_config("configs/tiny-cpu.yaml", ["train.steps=4", override,
                                                            "train.allow_config_change=true"]), tmp_path)
+
+
+def test_a_run_from_before_shuffling_and_templates_resumes_only_as_it_trained(tmp_path: Path) -> None:
+    """Snapshots hold tuples as JSON lists; a run older than data.shuffle read in stream order, and its
+    bool data.chat_template meant ChatML (true) or plain text (false)."""
+    config = load_config("configs/tiny-cpu.yaml", ["train.steps=4", "data.data_files=[a.jsonl]"])
+    (tmp_path / "checkpoint_manager_snapshot.json").write_text(
+        json.dumps({"checkpoint_results": [{"metrics": {"step": 2}}]}))
+    (tmp_path / CONFIG_SNAPSHOT).write_text(json.dumps(config.to_dict()))
+    check_resume(config, tmp_path)  # ("a.jsonl",) vs ["a.jsonl"]: the same
+    old = config.to_dict()
+    del old["data"]["shuffle"]
+    old["data"]["chat_template"] = True
+    (tmp_path / CONFIG_SNAPSHOT).write_text(json.dumps(old))
+    changed = r"data.chat_template: 'chatml' -> 'auto'.*data.shuffle: False -> True"
+    with pytest.raises(ConfigError, match=changed):
+        check_resume(config, tmp_path)
+    check_resume(load_config("configs/tiny-cpu.yaml", ["train.steps=4", "data.data_files=[a.jsonl]",
+                                                       "data.chat_template=chatml", "data.shuffle=false"]),
+                 tmp_path)

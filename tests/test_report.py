@@ -155,6 +155,23 @@ def test_report_counts_restarts_within_a_train_call_and_resumes_across_calls(tmp
     assert (report["starts"], report["restarts"], report["resumes"]) == (3, 1, 1)
     assert [h["session"] for h in report["history"]] == ["a", "a", "b", "c"]
     assert (report["status"], report["tokens"], report["tokens_per_s"]) == ("finished", 400, 100.0)
+    assert report["predicted_step_s_median"] is None and report["profile_ratio"] is None  # not recorded
+
+
+def test_report_says_when_the_profile_predicted_steps_far_off(tmp_path: Path) -> None:
+    from app.preflight import write_snapshot
+    from app.report import report_lines, run_report
+    from app.run_files import RunLog
+
+    write_snapshot(load_config("configs/tiny-cpu.yaml"), tmp_path)
+    log = RunLog(tmp_path, total_steps=3)
+    log.group_started({"session": "a", "resumed_from_step": 0})
+    for step in (1, 2, 3):
+        log.record({"step": step, "loss": 1.0, "session": "a", "tokens": 100, "step_s": 2.0,
+                    "predicted_step_s": 0.5})
+    report = run_report(tmp_path)
+    assert (report["predicted_step_s_median"], report["profile_ratio"]) == (0.5, 0.25)
+    assert "step 2 s (profile predicted 0.5 s: stale)" in "\n".join(report_lines(report))
 
 
 # ---------------------------------------------------------------------------------------- one Ray run
@@ -184,6 +201,7 @@ def test_metrics_jsonl_holds_every_step_with_mfu_and_padding(watched_run) -> Non
         assert len(record["rank_compute_s"]) == 2 and min(record["rank_compute_s"]) > 0
         assert record["compute_imbalance"] == pytest.approx(
             max(record["rank_compute_s"]) / np.mean(record["rank_compute_s"]), rel=1e-9)
+        assert record["predicted_step_s"] > 0  # the profile's time of the step's plan (stale-profile check)
 
 
 def test_report_json_is_the_runs_history_from_the_run_directory_alone(watched_run, tmp_path: Path) -> None:

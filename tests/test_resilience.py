@@ -1,11 +1,12 @@
 """Survive the cluster, on an embedded Ray (CPU, gloo): resume on another worker count, a killed worker, a
 killed planner, Ctrl-C on the driver.
 
-Every run trains the same 6 global batches (8 sequences of ~30 tokens from 40, DP=2 x CP=1, random-init tiny
-Qwen2, fp32) as one uninterrupted reference run, so each interrupted run must reproduce the reference's
-losses: fp32 summation order differs between DP sizes and restarts (~1e-7 relative per step), which Adam's
-normalized updates keep far below the 1e-4 relative tolerance. Faults are injected from a thread that
-watches the run's samples.jsonl (world rank 0 appends each step's line as soon as the step is trained).
+Every run trains the same 6 global batches (8 short chats from a file of 40, visited in a new
+seeded order each epoch: data.shuffle; DP=2 x CP=1, random-init tiny Qwen2, fp32) as one uninterrupted
+reference run, so each interrupted run must reproduce the reference's batches and losses: fp32 summation
+order differs between DP sizes and restarts (~1e-7 relative per step), which Adam's normalized updates keep
+far below the 1e-4 relative tolerance. Faults are injected from a thread that watches the run's
+samples.jsonl (world rank 0 appends each step's line as soon as the step is trained).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from app.driver import TrainSummary, train  # noqa: E402
 from app.preflight import recorded_step  # noqa: E402
 from app.report import run_report  # noqa: E402
 from tests.driver_process import Stopped, start_driver, stop_driver  # noqa: E402
-from tests.run_configs import SMALL_VOCAB, scheduled_lrs  # noqa: E402
+from tests.run_configs import SMALL_VOCAB, scheduled_lrs, shuffled_chats, shuffled_step_ids  # noqa: E402
 
 NUM_SAMPLES, BATCH, STEPS = 40, 8, 6
 WARMUP, LR = 3, 0.003  # LR: configs/tiny-cpu.yaml's
@@ -44,8 +45,8 @@ WARMUP_LRS = scheduled_lrs(LR, WARMUP, STEPS, kind="constant")
 # Long enough for every legitimate wait in a collective of these runs (steps and checkpoints of
 # milliseconds, ranks that start within a second or two of each other), short enough not to idle.
 HUNG_TIMEOUT_S = 10
-COMMON = [f"data.num_samples={NUM_SAMPLES}", "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}",
-          "parallel.cp_size=1", "parallel.num_workers=2", SMALL_VOCAB, f"train.warmup_steps={WARMUP}",
+COMMON = [f"scheduling.global_batch_size={BATCH}", "parallel.cp_size=1", "parallel.num_workers=2",
+          SMALL_VOCAB, f"train.warmup_steps={WARMUP}",
           "train.lr=3e-3"]  # configs/tiny-cpu.yaml's, as written in the file too: YAML 1.2 floats train
 
 
@@ -62,9 +63,13 @@ def _config(tmp_path: Path, name: str, *extra: str):
 
 
 def _assert_samples_exact(run_dir: str | Path, steps: int) -> None:
-    """samples.jsonl holds steps 1..steps once each, and no sample id twice within an epoch."""
+    """samples.jsonl holds steps 1..steps once each, each step the batch of its epoch's shuffled order, and
+    no sample id twice within an epoch."""
     lines = [json.loads(line) for line in Path(run_dir, "samples.jsonl").read_text().splitlines()]
     assert sorted({line["step"] for line in lines}) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        ids = {i for line in lines if line["step"] == step for i in line["sample_ids"]}
+        assert ids == shuffled_step_ids(step, NUM_SAMPLES, BATCH), f"step {step}"
     by_epoch: dict[int, list[int]] = {}
     for line in lines:
         by_epoch.setdefault(line["epoch"], []).extend(line["sample_ids"])
@@ -169,9 +174,15 @@ def _train_with_faults(tmp_path: Path, name: str, faults, *extra: str) -> tuple[
 
 
 @pytest.fixture(scope="module")
-def reference_run(local_ray, tmp_path_factory: pytest.TempPathFactory) -> TrainSummary:
+def chats(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Every run's data: NUM_SAMPLES short chats in a parquet file, shuffled (tests/run_configs.py)."""
+    return shuffled_chats(tmp_path_factory.mktemp("chats"), NUM_SAMPLES)
+
+
+@pytest.fixture(scope="module")
+def reference_run(local_ray, tmp_path_factory: pytest.TempPathFactory, chats: list[str]) -> TrainSummary:
     """The same 6 steps trained without interruption (metrics reduced every 4 steps, checkpoints every 2)."""
-    config = _config(tmp_path_factory.mktemp("reference"), "reference", "train.log_every=4",
+    config = _config(tmp_path_factory.mktemp("reference"), "reference", *chats, "train.log_every=4",
                      "train.checkpoint_every=2")
     return train(config, progress=False)
 
@@ -197,15 +208,16 @@ def test_an_uninterrupted_run_reports_every_step_and_keeps_two_checkpoints(refer
 
 
 @pytest.fixture(scope="module")
-def shrunk(local_ray, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TrainSummary, TrainSummary]:
+def shrunk(local_ray, tmp_path_factory: pytest.TempPathFactory,
+           chats: list[str]) -> tuple[Path, TrainSummary, TrainSummary]:
     """Run "dp": 2 workers to step 2, then 1 worker to step 3 (ZeRO-2 state through a universal checkpoint).
 
     Shared by the two resume tests below: the second grows the same run back to 2 workers (one run of
     three calls, as before, split so that neither test holds all three).
     """
     tmp_path = tmp_path_factory.mktemp("resume")
-    first = train(_config(tmp_path, "dp", "train.steps=2"), progress=False)
-    shrunk = train(_config(tmp_path, "dp", "train.steps=3", "parallel.num_workers=1"), progress=False)
+    first = train(_config(tmp_path, "dp", *chats, "train.steps=2"), progress=False)
+    shrunk = train(_config(tmp_path, "dp", *chats, "train.steps=3", "parallel.num_workers=1"), progress=False)
     return tmp_path, first, shrunk
 
 
@@ -217,13 +229,15 @@ def test_resume_on_fewer_workers(shrunk, reference) -> None:
     assert _lrs(first) + _lrs(shrunk) == pytest.approx(WARMUP_LRS[:3], rel=1e-6)
 
 
-def test_resume_on_more_workers_through_a_killed_planner_and_what_a_rerun_refuses(shrunk, reference) -> None:
+def test_resume_on_more_workers_through_a_killed_planner_and_what_a_rerun_refuses(shrunk, reference,
+                                                                                   chats) -> None:
     """The shrunk run grown to 2 workers again to step 6, its planner killed after step 4 (Ray restarts it
     from the driver's arguments, at this run's starting cursor of step 3; the restarted worker group must
     move it to step 4's). The kill leaves two steps: a worker fetches the plan of its next step ahead, so a
     kill before the last step alone goes unnoticed. Then a changed math key, and a finished run."""
     tmp_path, first, shrunk = shrunk
-    grown, _ = _train_with_faults(tmp_path, "dp", [(4, _kill_the_planner("dp"))], "train.max_failures=1")
+    grown, _ = _train_with_faults(tmp_path, "dp", [(4, _kill_the_planner("dp"))], *chats,
+                                  "train.max_failures=1")
     assert grown.resumed_from_step == 3 and grown.restarts == 1
     assert [h["world_size"] for h in grown.history] == [2, 2, 2]
     assert first.losses + shrunk.losses + grown.losses == pytest.approx(reference, rel=1e-4)
@@ -231,23 +245,23 @@ def test_resume_on_more_workers_through_a_killed_planner_and_what_a_rerun_refuse
     _assert_samples_exact(grown.run_dir, STEPS)
 
     with pytest.raises(ConfigError, match=r"train.lr: 0.003 -> 0.001.*train.allow_config_change"):
-        train(_config(tmp_path, "dp", "train.steps=8", "train.lr=0.001"), progress=False)
+        train(_config(tmp_path, "dp", *chats, "train.steps=8", "train.lr=0.001"), progress=False)
     with pytest.raises(ConfigError, match=r"already trained 6 steps \(train.steps=6\); raise train.steps"):
-        train(_config(tmp_path, "dp"), progress=False)
+        train(_config(tmp_path, "dp", *chats), progress=False)
 
 
-def test_a_killed_worker_is_recovered_from_the_newest_checkpoint(reference, tmp_path: Path) -> None:
+def test_a_killed_worker_is_recovered_from_the_newest_checkpoint(reference, chats, tmp_path: Path) -> None:
     """SIGKILL a train worker (by pid) after step 2. (The killed planner is the grown run's fault above:
     one run with both faults took ~75 s on 2 cores, the suite's slowest test.)"""
     faults = [(2, _signal_a_worker(signal.SIGKILL, set()))]
-    summary, _ = _train_with_faults(tmp_path, "killed", faults, "train.max_failures=1")
+    summary, _ = _train_with_faults(tmp_path, "killed", faults, *chats, "train.max_failures=1")
     assert summary.restarts == 1 and summary.steps == STEPS
     assert summary.losses == pytest.approx(reference, rel=1e-4)
     assert _lrs(summary) == pytest.approx(WARMUP_LRS, rel=1e-6)
     _assert_samples_exact(summary.run_dir, STEPS)
 
 
-def test_a_hung_peer_is_recovered_from_the_newest_checkpoint(reference, tmp_path: Path) -> None:
+def test_a_hung_peer_is_recovered_from_the_newest_checkpoint(reference, chats, tmp_path: Path) -> None:
     """SIGSTOP a train worker after step 2.
 
     The stopped peer's partners fail their next collective (the gradient reduce-scatter over ZeRO's
@@ -255,7 +269,7 @@ def test_a_hung_peer_is_recovered_from_the_newest_checkpoint(reference, tmp_path
     down (SIGKILL reaches a stopped process) and restarts it from the newest checkpoint.
     """
     faults = [(2, _signal_a_worker(signal.SIGSTOP, set()))]
-    summary, injector = _train_with_faults(tmp_path, "hung", faults, "train.max_failures=1",
+    summary, injector = _train_with_faults(tmp_path, "hung", faults, *chats, "train.max_failures=1",
                                            f"train.collective_timeout_s={HUNG_TIMEOUT_S}")
     assert summary.restarts == 1 and summary.steps == STEPS
     assert summary.losses == pytest.approx(reference, rel=1e-4)
@@ -271,13 +285,13 @@ CTRL_C_DECAY = ("train.lr_scheduler=cosine", "train.min_lr_ratio=0.1")
 
 
 @pytest.fixture(scope="module")
-def interrupted(local_ray, tmp_path_factory: pytest.TempPathFactory) -> Stopped:
+def interrupted(local_ray, tmp_path_factory: pytest.TempPathFactory, chats: list[str]) -> Stopped:
     """SIGINT to a `train` driver process (its own embedded Ray) after step 2: what it left behind.
 
     Its resume is the next test's (each of the two runs charged to its own test).
     """
     tmp_path = tmp_path_factory.mktemp("ctrl_c")
-    driver = start_driver(_overrides(tmp_path, "", "train.checkpoint_every=1", *CTRL_C_DECAY))
+    driver = start_driver(_overrides(tmp_path, "", *chats, "train.checkpoint_every=1", *CTRL_C_DECAY))
     deadline = time.monotonic() + 300
     while not any(recorded_step(d) >= 2 for d in tmp_path.glob("skrull-*")):
         assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()

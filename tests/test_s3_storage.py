@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from app.config import ConfigError, DataConfig, load_config
-from tests.run_configs import SMALL_VOCAB
+from tests.run_configs import SMALL_VOCAB, shuffled_step_ids
 from workers.storage import Location
 from workers.tools.launch import free_port
 
@@ -223,7 +223,8 @@ def test_a_config_error_of_a_new_s3_run_leaves_nothing_behind(s3: S3Server) -> N
             (mirror / "data_summary.json").write_text("{}")
             raise ConfigError("scheduling.global_batch_size is too large")
         assert not mirror.exists()
-        expected = [f"cfg-error-{existed}/data_summary.json", f"cfg-error-{existed}/skrull_config.json"]
+        expected = [f"cfg-error-{existed}/{name}"
+                    for name in ("chat_template.jinja", "data_summary.json", "skrull_config.json")]
         assert s3.keys(f"cfg-error-{existed}/") == (expected if existed else [])
 
 
@@ -239,7 +240,7 @@ def _synth_parquet(out: Path, n: int) -> None:
 def _run_config(s3: S3Server, steps: int):
     return load_config("configs/tiny-cpu.yaml", [
         f"run.storage_path={s3.uri('runs')}", "run.name=s3run", "data.source=path",
-        f"data.path={s3.uri('data/x.parquet')}", f"scheduling.global_batch_size={BATCH}",
+        f"data.path={s3.uri('data/x.parquet')}", "data.shuffle=true", f"scheduling.global_batch_size={BATCH}",
         f"train.steps={steps}", "train.checkpoint_every=2", "train.keep_checkpoints=0", SMALL_VOCAB])
 
 
@@ -287,14 +288,18 @@ def test_rerunning_the_name_resumes_from_the_buckets_checkpoint(s3: S3Server, ru
     resumed = train(_run_config(s3, 4), progress=False, quiet=True)
     assert resumed.resumed_from_step == 2 and [h["step"] for h in resumed.history] == [3, 4]
     # 4 steps x 8 samples = two epochs of 16, written by world rank 0 through S3 across both calls:
-    # every sample id exactly once per epoch, every step once.
+    # every sample id exactly once per epoch, every step once, each step the next batch of its epoch's
+    # shuffled order (data.shuffle) across the resume.
     by_epoch: dict[int, list[int]] = defaultdict(list)
+    by_step: dict[int, set[int]] = defaultdict(set)
     steps = []
     for line in s3.text("runs/s3run/samples.jsonl").splitlines():
         record = json.loads(line)
         by_epoch[record["epoch"]].extend(record["sample_ids"])
+        by_step[record["step"]].update(record["sample_ids"])
         steps.append(record["step"])
     assert steps == [1, 2, 3, 4]
+    assert by_step == {step: shuffled_step_ids(step, NUM_SAMPLES, BATCH) for step in steps}
     assert {epoch: sorted(ids) for epoch, ids in by_epoch.items()} == {
         0: list(range(NUM_SAMPLES)), 1: list(range(NUM_SAMPLES))}
     # The resumed call kept the first call's log (pulled into its mirror, appended, copied back) and added

@@ -8,6 +8,8 @@ between two log steps never waits on a collective or a device-to-host copy for m
     per step of the window:
       loss              sum over ranks of CE sums / global label tokens
       step_s            max over ranks of (planner wait + compute)     (the step takes its slowest rank)
+      predicted_step_s  the hardware profile's time of the step's plan (scheduling/simulate.py), which
+                        app/profile_check.py compares with step_s to say when the profile is stale
       compute_imbalance max / mean over ranks of compute time
       planner_wait_s    max over ranks of planner wait
       tokens_per_s      global tokens / step_s
@@ -122,6 +124,7 @@ def _step_metrics(record: StepRecord, loss_sum: float, per_rank: torch.Tensor,
         "label_tokens": payload.global_label_tokens,
         "tokens_per_s": payload.global_tokens / max(step_s, 1e-9),
         "step_s": step_s,
+        "predicted_step_s": payload.predicted_step_s,
         "planner_wait_s": float(wait.max()),
         "plan_ms": payload.plan_ms,
         "planner_ahead_steps": record.fetched.ahead_steps,

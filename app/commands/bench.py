@@ -1,5 +1,6 @@
-"""`python -m app bench planner|compute|attention|train`: planning latency, compute profile, DACP overlap,
-measured training step time of the scheduling policies (`bench train`, app/commands/bench_train.py).
+"""`python -m app bench planner|compute|attention|train|peer`: planning latency, compute profile, DACP
+overlap, measured training step time of the scheduling policies (`bench train`, app/commands/bench_train.py),
+this project against TRL's SFTTrainer (`bench peer`, app/commands/bench_peer.py).
 
 `bench planner` times GDS + DACP (the skrull policy) on one global batch of synthetic LMsysChat1M-like
 lengths for (sequences, ranks) = (64, 8), (256, 32), (1024, 128), (4096, 1024), with CP = 8 (so DP =
@@ -13,7 +14,7 @@ import argparse
 import json
 import time
 
-from app.commands import bench_attention, bench_compute, bench_train
+from app.commands import bench_attention, bench_compute, bench_peer, bench_train
 
 CASES = ((64, 8), (256, 32), (1024, 128), (4096, 1024))
 CP_SIZE = 8
@@ -36,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "batches, interleaved in one Ray Train worker group")
     bench_train.add_arguments(train)  # stdlib-only at import: Ray, torch and DeepSpeed load when it runs
     train.set_defaults(_bench=bench_train.run)
+    peer = sub.add_parser("peer", help="TRL's SFTTrainer vs this project (skrull, balanced_packed): same "
+                                       "model, tokens and steps, run alternately; tokens/s and the ratios")
+    bench_peer.add_arguments(peer)  # stdlib-only at import: each side runs in its own process
+    peer.set_defaults(_bench=bench_peer.run)
 
 
 def planner_latency(sequences: int, ranks: int, repeats: int) -> dict[str, float]:

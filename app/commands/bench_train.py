@@ -1,7 +1,8 @@
 """`python -m app bench train`: measured step time of scheduling policies on the same global batches.
 
     python -m app bench train --config configs/bench/cpu-lmsys.yaml
-        [--policies skrull,static_cp_packed,static_cp,sorted] [--steps 8] [--json] [--plot out.png]
+        [--policies skrull,balanced_packed,static_cp_packed,static_cp,sorted] [--steps 8] [--json]
+        [--plot out.png]
         [--set key=value ...] [--no-progress] [--verbose]
 
 One Ray session and one worker group train every policy, interleaved step by step (A B C D A B C D ...)
@@ -24,7 +25,9 @@ workers/bench_loop.py). Per policy, over the counted steps:
     per_step               step, step_s, predicted_step_s, loss, tokens and sorted sample ids of each step
 
 Top level: `same_samples` (every policy trained the same sample ids at every step), `loss_max_rel_diff`
-(the largest relative loss difference from the first policy at any step), `wall_s`, `machine` (cores,
+(the largest relative loss difference from the first policy at any step), `stale_profile_warning` (the
+warning of app/profile_check.py when the profile's predictions are off by more than 30%, else null; also
+printed), `wall_s`, `machine` (cores,
 load average at start and end), `run_dir` (the log and bench_train.json, a copy of the --json line).
 Nothing heavy is imported until the command runs.
 """
@@ -45,8 +48,8 @@ from app.commands.common import add_config_arguments, add_json_argument, config_
 from app.config import ConfigError
 from app.run_files import jsonable
 
-DEFAULT_POLICIES = "skrull,static_cp_packed,static_cp,sorted"
-BASELINES = ("static_cp_packed", "static_cp", "sorted")
+DEFAULT_POLICIES = "skrull,balanced_packed,static_cp_packed,static_cp,sorted"
+BASELINES = ("balanced_packed", "static_cp_packed", "static_cp", "sorted")
 """The policies every other one is compared with (`speedup_vs_<name>`)."""
 
 
@@ -99,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         plot_bench(summary, args.plot)
     if args.json:
         print(line)
+        if summary["stale_profile_warning"]:
+            print(summary["stale_profile_warning"], file=sys.stderr)
     else:
         print(format_report(summary, plot=args.plot))
     return 0
@@ -126,7 +131,25 @@ def summarize(result: Any) -> dict[str, Any]:
         "same_samples": _same_across(rows, "sample_ids"),
         "loss_max_rel_diff": _loss_max_rel_diff(rows),
         "wall_s": result.wall_s, "machine": result.machine, "run_dir": result.run_dir,
+        "stale_profile_warning": _stale_profile(counted, config, result.run_dir),
     }
+
+
+def _stale_profile(counted: list[dict[str, Any]], config: Any, run_dir: str) -> str | None:
+    """app/profile_check.py over the first STALE_STEPS counted steps of every policy, pooled: every
+    policy's plans are predicted by the same profile; None when the profile is fresh."""
+    from app.preflight import CONFIG_SNAPSHOT
+    from app.profile_check import STALE_STEPS, STALE_TOLERANCE, median_ratio, stale_warning
+
+    by_policy: dict[str, list[dict[str, Any]]] = {}
+    for record in counted:
+        by_policy.setdefault(record["policy"], []).append(record)
+    pairs = [(r["predicted_step_s"], r["step_s"]) for records in by_policy.values()
+             for r in records[:STALE_STEPS]]
+    ratio = median_ratio(pairs)
+    if ratio is None or abs(ratio - 1) <= STALE_TOLERANCE:
+        return None
+    return stale_warning(ratio, config.hardware.profile, str(Path(run_dir) / CONFIG_SNAPSHOT))
 
 
 def _paired_speedup(base: dict[str, Any], row: dict[str, Any]) -> float:
@@ -198,6 +221,7 @@ def _loss_max_rel_diff(rows: dict[str, dict[str, Any]]) -> float:
 COLUMNS = (
     ("step s p50", "step_s_median", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:.0f}"),
     ("pred s", "predicted_step_s", "{:.3f}"), ("pred err", "prediction_error", "{:+.0%}"),
+    ("vs balanced", "speedup_vs_balanced_packed", "{:.2f}x"),
     ("vs packed", "speedup_vs_static_cp_packed", "{:.2f}x"), ("vs static", "speedup_vs_static_cp", "{:.2f}x"),
     ("vs sorted", "speedup_vs_sorted", "{:.2f}x"), ("wait s p50", "planner_wait_s_median", "{:.3f}"),
     ("compute imb", "compute_imbalance", "{:.2f}"), ("cpu imb", "cpu_imbalance", "{:.2f}"),
@@ -249,6 +273,8 @@ def format_report(summary: dict[str, Any], plot: str | None = None) -> str:
     lines.append(f"same samples every step: {same}; losses agree within {summary['loss_max_rel_diff']:.1e} "
                  "relative")
     lines.append(f"run directory: {summary['run_dir']} (bench_train.json, logs/driver.log)")
+    if summary.get("stale_profile_warning"):
+        lines.append(summary["stale_profile_warning"])
     if plot:
         lines.append(f"plot written to {plot}")
     return "\n".join(lines)
@@ -264,7 +290,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def plot_bench(summary: dict[str, Any], path: str) -> None:
-    """Left: per-rank busy time, static_cp_packed beside skrull; right: predicted vs measured step time.
+    """Left: per-rank busy time, balanced_packed beside skrull; right: predicted vs measured step time.
 
     Written to a temporary file first and renamed, so a failure never leaves a half-written image.
     """
@@ -290,7 +316,7 @@ def plot_bench(summary: dict[str, Any], path: str) -> None:
 
 def _plot_busy(ax: Any, rows: dict[str, dict[str, Any]]) -> None:
     """Per policy and rank: median compute (wall), CPU time and the cost model's busy time."""
-    shown = [p for p in ("static_cp_packed", "skrull") if p in rows] or list(rows)[:2]
+    shown = [p for p in ("balanced_packed", "skrull") if p in rows] or list(rows)[:2]
     bars = (("busy_s_per_rank", "compute (wall)", {}), ("cpu_s_per_rank", "CPU time", {"alpha": 0.5}),
             ("predicted_busy_s_per_rank", "modeled busy", {"fill": False, "hatch": "//"}))
     ticks, labels = [], []

@@ -1,4 +1,13 @@
-"""`skrull data synth`: write a synthetic chat dataset (parquet) whose token lengths follow a distribution.
+"""`skrull data synth` writes a synthetic chat dataset; `skrull data preview` shows rows as training does.
+
+    python -m app data preview --config X [-n 3] [--set KEY=VALUE ...] [--json]
+
+`preview` prints the first n rows after the row format, the chat template and the length limit (app/data/
+preview.py): each row's status, format, tokens and label tokens, and its decoded text with the
+loss-bearing tokens highlighted; --json prints {"rows": [{"index", "status", "format", "num_tokens",
+"label_tokens", "input_ids", "labels"}]} (labels: -100 where there is no loss).
+
+`synth`:
 
     python -m app data synth --dist lmsys --n 10000 --out data/lmsys [--seed 0] [--length-scale 1.0]
                              [--tokenizer qwen|PATH] [--rows-per-file 50000] [--overwrite] [--json]
@@ -26,7 +35,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from app.commands.common import add_json_argument
+from app.commands.common import add_config_arguments, add_json_argument, config_from_args
 from app.config import ConfigError
 
 _VERIFY_ROWS = 2000  # rows re-tokenized after writing to measure |actual - target| (~0.5 s)
@@ -45,9 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     synth.add_argument("--rows-per-file", type=int, default=50_000, help="rows per parquet file")
     synth.add_argument("--overwrite", action="store_true", help="replace part-*.parquet in --out")
     add_json_argument(synth)
+    preview = sub.add_parser("preview", help="the first rows after the template and the length limit, "
+                             "decoded, loss-bearing tokens highlighted")
+    add_config_arguments(preview)
+    preview.add_argument("-n", type=int, default=3, help="how many rows (default 3)")
+    add_json_argument(preview)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.data_command == "preview":
+        return show_preview(args)
     if args.data_command == "synth":
         summary = synthesize(args)
         print(json.dumps(summary) if args.json else format_summary(summary))
@@ -262,3 +278,30 @@ def format_summary(summary: dict[str, Any]) -> str:
     with console.capture() as capture:
         console.print(table)
     return capture.get().rstrip()
+
+
+def show_preview(args: argparse.Namespace) -> int:
+    """`data preview`: rich text on a terminal, one JSON object with --json."""
+    from app.data.preview import labeled_spans, preview_rows, row_header
+
+    if args.n < 1:
+        raise ConfigError(f"-n must be >= 1, got {args.n}")
+    config = config_from_args(args)
+    rows, tok = preview_rows(config, args.n)
+    if args.json:
+        print(json.dumps({"rows": [row.as_json() for row in rows]}))
+        return 0
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    console.print(f"data preview: {len(rows)} rows of {config.data.source} data, tokenizer "
+                  f"{config.data.tokenizer}, template {config.data.chat_template}; [bold green]green[/] "
+                  "tokens carry the loss")
+    for row in rows:
+        console.rule(row_header(row), align="left")
+        text = Text()
+        for part, labeled in labeled_spans(tok, row):
+            text.append(part, style="bold green" if labeled else "dim")
+        console.print(text)
+    return 0

@@ -23,12 +23,13 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     check_model_support(config)  # a model the DACP attention cannot run, a vocabulary it cannot embed: exit 2
     cost = cost_model(config)
-    runs, summary, too_long = plan_dry_run(config, cost)
+    runs, summary, too_long, read = plan_dry_run(config, cost)
     if args.plot:
         plot_ranks(runs, args.plot)
     if args.json:
-        # "policies" first and unchanged: scripts read it; "too_long" says what data.too_long changed
-        print(json.dumps({"policies": summary, "too_long": too_long.as_json()}))
+        # "policies" first and unchanged: scripts read it; "too_long" says what data.too_long changed,
+        # "data" what the rows read were (by row format, malformed by reason)
+        print(json.dumps({"policies": summary, "too_long": too_long.as_json(), "data": read}))
         return 0
     par, sched = config.parallel, config.scheduling
     batches = len(runs["skrull"].estimates)

@@ -107,6 +107,20 @@ def _check_memory(args: argparse.Namespace, cfg: SkrullConfig, model: str, lengt
     return line
 
 
+def refuse_unsupported_model(cfg: SkrullConfig, model: str, lengths: tuple[int, ...]) -> None:
+    """ConfigError naming --model and every feature the DACP path cannot compute at these lengths
+    (app/model_support.py: a sliding window shorter than the longest, soft-capping, ...), before any
+    process starts: the ranks would raise mid-run or the reference refuse (transformers has no sdpa
+    Gemma-2), a traceback instead of an answer."""
+    from app.model_support import attention_problems, logit_problems, model_config_dict
+
+    hf = model_config_dict(dataclasses.replace(cfg.model, name_or_path=model))
+    problems = attention_problems(hf, max(lengths)) + logit_problems(hf) if hf else []
+    if problems:
+        raise ConfigError(f"--model {model!r} needs math the DACP training path cannot compute at --lengths "
+                          f"up to {max(lengths)}: {'; '.join(problems)}")
+
+
 def resolve_backend(requested: str, cp: int) -> str:
     """The process-group backend for `cp` ranks; ConfigError naming --cp when NCCL lacks a GPU per rank.
 
@@ -152,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = _lengths(args, cfg)
     if not lengths or min(lengths) < 1 or args.cp < 1:
         raise ConfigError("--lengths needs at least one length, each >= 1, and --cp must be >= 1")
+    refuse_unsupported_model(cfg, model, lengths)
     backend = resolve_backend(args.backend, args.cp)
     estimate = _check_memory(args, cfg, model, lengths)
     if not args.json:

@@ -1,10 +1,16 @@
-"""Data: synthetic chat conversations, dataset readers, and Qwen-chat-template tokenization on Ray Data.
+"""Data: dataset readers, row formats, chat-template tokenization on Ray Data, synthetic conversations.
 
     app/data/
     ├── tokenizer.py   load_tokenizer(data.tokenizer) -> TextTokenizer (offline Qwen BPE or a HF tokenizer)
-    ├── template.py    one row (messages | text) -> input_ids, labels, status, label_tokens  (pure)
+    ├── conversation.py  Conversation: the one row shape every format produces and the template renders
+    ├── formats/       row formats behind a registry (messages, sharegpt, alpaca, prompt_completion, text),
+    │                  data.columns mapping, auto detection per row
+    ├── chat_template.py / chat_encode.py  data.chat_template resolution, transformers rendering, label spans
+    ├── template.py    one row -> Conversation -> input_ids, labels, status, label_tokens, format  (pure)
+    ├── preview.py     `data preview`: the first rows as training sees them, decoded, labels highlighted
     ├── synth.py       seeded Markov-chain chat conversations with exact target token lengths (pure)
     ├── readers.py     format detection, ordered file lists, local (Ray-free) row batches
+    ├── hub.py         data.source=hf: datasets.load_dataset(path, name, split, data_files), once per process
     ├── ray_ops.py     the callable classes Ray Data runs in `map_batches` (generate, tokenize)
     ├── pipeline.py    tokenized_dataset(data_cfg, ...), scan_dataset(dataset, ...) -> DataScan
     ├── malformed.py   malformed rows by reason, first offender, the data.max_malformed_fraction check

@@ -1,7 +1,8 @@
 """Malformed rows are loud: count them by reason, keep the first one, stop above data.max_malformed_fraction.
 
-A row the template cannot render (app/data/template.py) has status `malformed` and a short `reason`
-("messages[1].content is a list, not a string", "bad JSON (Expecting ',' delimiter)", ...). The pre-start
+A row no row format can read (app/data/formats/) or the template cannot render (app/data/template.py) has
+status `malformed` and a short `reason` ("messages[1].content is a number, not a string", "bad JSON
+(Expecting ',' delimiter)", "conversations[2].from is 'bot', not one of ...", ...). The pre-start
 scan (app/data/pipeline.py scan_dataset) and the `plan` dry run (app/data/lengths.py) both fold their rows
 into a MalformedTally, show it in the data summary and call `check_malformed`, which raises a DataError
 naming the file, the fraction, the most common reason and data.max_malformed_fraction. Nothing here
@@ -61,8 +62,8 @@ class MalformedTally:
     def breakdown(self) -> str:
         """Counts by reason, most common first, then the first malformed row; "" without malformed rows.
 
-            40 'messages[1].content is a list, not a string'; first: row 1
-            3 'bad JSON (Expecting value)', 1 'no messages or text column'; first: row 7, 'no messages ...'
+            40 'messages[1].content is a number, not a string'; first: row 1
+            3 'bad JSON (Expecting value)', 1 'no messages, conversations, ...'; first: row 7, 'bad JSON ...'
         """
         if self.first is None:
             return ""
@@ -95,6 +96,8 @@ def data_location(data: DataConfig) -> str:
     """What the scanned rows came from, as a config key: data.path='...' or the synthetic source."""
     if data.source == "path":
         return f"data.path={data.path!r}"
+    if data.source == "hf":
+        return f"data.path={data.path!r} (data.source=hf, data.split={data.split!r})"
     return f"data.source=synthetic (data.num_samples={data.num_samples})"
 
 
@@ -114,8 +117,9 @@ def check_malformed(data: DataConfig, tally: MalformedTally) -> None:
     raise DataError(
         f"{data_location(data)}: {tally.count} of {tally.rows} rows read (fraction {tally.fraction:.3g}) are "
         f"malformed, above data.max_malformed_fraction={limit}; most common reason: {top!r} "
-        f"({tally.reasons[top]} rows), first malformed row: {first}. Fix the file "
-        f"(or convert it to `messages: [{{role, content}}]` or `text` rows)"
+        f"({tally.reasons[top]} rows), first malformed row: {first}. Fix the file, or tell how to read it: "
+        f"data.format_type={data.format_type} (auto|messages|sharegpt|alpaca|prompt_completion|text) and "
+        "data.columns (its key and role names)"
         + (", or raise data.max_malformed_fraction to train on the other rows" if tally.count < tally.rows
            else "; no row of it can be read (data.max_malformed_fraction)")
     )

@@ -1,9 +1,11 @@
 """The Ray Data pipeline of a run: read (or synthesize) -> tokenize, in a deterministic row order.
 
-    data.source=path        read_parquet(files) | read_text(jsonl files) | from_huggingface(load_from_disk)
+    data.source=path        read_parquet(files) | read_text(jsonl files) | from_arrow(load_from_disk)
+    data.source=hf          from_arrow(load_dataset(data.path, data.name, data.split, data.data_files))
                             -> map_batches(tokenize)
     data.source=synthetic   range(data.num_samples) -> map_batches(synthesize_and_tokenize)
-    both                    -> rows {input_ids, labels, num_tokens, raw_tokens, label_tokens, status, reason}
+    both                    -> rows {input_ids, labels, num_tokens, raw_tokens, label_tokens, status, reason,
+                                     format}
 
 Each map is one task at a time (`TaskPoolStrategy(size=1)`, resources.data_cpus each), which Ray Data fuses
 with the read into one task (app/data/ray_ops.py says why not an actor).
@@ -16,6 +18,7 @@ the driver, before any Ray task starts. Nothing here calls `ray.init`: the calle
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,9 +26,11 @@ import numpy as np
 
 from app.config import DataConfig
 from app.data import DataError
+from app.data.chat_template import check_chat_template, is_template_file, read_template_file
+from app.data.formats import check_format_settings, count_formats, describe_formats
 from app.data.malformed import MalformedTally, check_malformed, data_location
 from app.data.ray_ops import synthesize_and_tokenize, tokenize
-from app.data.readers import load_hf_dataset, resolve_source
+from app.data.readers import arrow_table, resolve_source
 from app.data.template import TemplateSettings
 from app.data.tokenizer import load_tokenizer
 from scheduling.payload import ROW_STATUSES, USABLE_STATUSES
@@ -39,7 +44,8 @@ class DataScan:
     number of next-token targets one epoch trains on. counts["truncated"] rows were cut and still train,
     counts["truncated_empty"] rows were cut to a window without a label token and are skipped; together
     they are the rows data.too_long=truncate changed. `malformed` counts the malformed rows by reason
-    and keeps the first one's stream position (app/data/malformed.py).
+    and keeps the first one's stream position (app/data/malformed.py). `formats` counts the rows by the
+    row format that read them (data.format_type=auto decides per row; app/data/formats/).
     """
 
     num_rows: int
@@ -50,22 +56,29 @@ class DataScan:
     """Stream positions (= sample ids) of the usable rows, aligned with `lengths`; the eval split
     (app/data/split.py) counts the held-out ones. None: not recorded."""
     malformed: MalformedTally = field(default_factory=MalformedTally)
+    formats: dict[str, int] = field(default_factory=dict)
+    """Rows by row format ({"sharegpt": 318}); rows that no format read (malformed) are not counted."""
 
     @property
     def num_usable(self) -> int:
         return int(sum(self.counts.get(status, 0) for status in USABLE_STATUSES))
 
     def summary(self) -> str:
-        """One line for logs: usable rows, their tokens and label tokens, then every non-zero status count.
+        """One line for logs: usable rows, their tokens and label tokens, every non-zero status count, then
+        the rows by format unless they are all `messages` rows (app/data/formats describe_formats).
 
             data: 318/320 rows usable, 54124 tokens (12000 label tokens), truncated=5, truncated_empty=2
             data: 40/80 rows usable, 2960 tokens (840 label tokens), malformed=40 (40 'messages[1].content
-                  is a list, not a string'; first: row 1)
+                  is a number, not a string'; first: row 1)
+            data: 318/320 rows usable, 54124 tokens (12000 label tokens), malformed=2 (2 'no messages,
+                  conversations, instruction/output, prompt/completion or text column'; first: row 7);
+                  formats: sharegpt=310, alpaca=8
         """
         parts = [f"{self.num_usable}/{self.num_rows} rows usable",
                  f"{int(self.lengths.sum())} tokens ({self.label_tokens} label tokens)"]
         parts += [self._status_part(status, n) for status, n in self.counts.items() if n and status != "ok"]
-        return "data: " + ", ".join(parts)
+        formats = describe_formats(self.formats)
+        return "data: " + ", ".join(parts) + (f"; {formats}" if formats else "")
 
     def _status_part(self, status: str, n: int) -> str:
         """`status=n`, for malformed rows followed by their reasons and the first one."""
@@ -73,9 +86,13 @@ class DataScan:
         return f"{status}={n} ({breakdown})" if breakdown else f"{status}={n}"
 
 
-def template_settings(data: DataConfig, max_length: int) -> TemplateSettings:
+def template_settings(data: DataConfig, max_length: int | None) -> TemplateSettings:
+    """The data.* template knobs; a data.chat_template file is read here, on the driver (DataError)."""
+    template_text = read_template_file(data.chat_template) if is_template_file(data.chat_template) else ""
     return TemplateSettings(chat_template=data.chat_template, labels=data.labels, max_length=max_length,
-                            too_long=data.too_long, truncate_side=data.truncate_side)
+                            too_long=data.too_long, truncate_side=data.truncate_side,
+                            format_type=data.format_type, columns=data.columns, add_eos=data.add_eos,
+                            template_text=template_text)
 
 
 def tokenized_dataset(data: DataConfig, *, max_length: int, num_cpus: float) -> Any:
@@ -88,10 +105,12 @@ def tokenized_dataset(data: DataConfig, *, max_length: int, num_cpus: float) -> 
     import ray.data
 
     tok = load_tokenizer(data.tokenizer)  # fail on the driver, not inside an actor
-    if data.chat_template or data.source == "synthetic":
+    if data.source == "synthetic":
         tok.require_chat_ids()
-    ray.data.DataContext.get_current().execution_options.preserve_order = True
     settings = template_settings(data, max_length)
+    check_chat_template(tok, settings)  # app/data/chat_template.py
+    check_format_settings(data.format_type, data.columns)  # a bad data.columns: here, not in a Ray task
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
     if data.source == "synthetic":
         return _synthetic_dataset(data, settings, num_cpus)
     source, json_lines = _source_dataset(data)
@@ -119,18 +138,22 @@ def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: f
 
 
 def _source_dataset(data: DataConfig) -> tuple[Any, bool]:
-    """(rows dataset of data.path, whether its `text` column holds raw JSONL lines)."""
+    """(rows dataset of data.path, every column; whether its `text` column holds raw JSONL lines).
+
+    A `datasets` source (save_to_disk or load_dataset) goes in as the Arrow table resolve_source already
+    loaded, which is what `ray.data.from_huggingface` does with a local Dataset, minus its first step: that
+    one reloads the dataset by name and asks huggingface.co for a parquet export to read over HTTP instead
+    (a second load, then HTTP requests that HF_HUB_OFFLINE does not stop, from the driver and Ray tasks).
+    """
     import ray.data
 
     source = resolve_source(data)
     if source.format == "parquet":
-        return ray.data.read_parquet(list(source.files), filesystem=source.filesystem).select_columns(
-            list(source.columns)), False
+        return ray.data.read_parquet(list(source.files), filesystem=source.filesystem), False
     if source.format == "jsonl":
         lines = ray.data.read_text(list(source.files), drop_empty_lines=True, filesystem=source.filesystem)
         return lines, True
-    dataset = load_hf_dataset(source.files[0]).select_columns(list(source.columns))
-    return ray.data.from_huggingface(dataset), False
+    return ray.data.from_arrow(arrow_table(source)), False
 
 
 def scan_dataset(dataset: Any, data: DataConfig, *, max_length: int) -> DataScan:
@@ -145,10 +168,12 @@ def scan_dataset(dataset: Any, data: DataConfig, *, max_length: int) -> DataScan
     statuses: list[np.ndarray] = []
     columns: dict[str, list[np.ndarray]] = {name: [] for name in names}
     malformed = MalformedTally()
-    selected = dataset.select_columns(["status", "reason", *names])
+    formats: Counter[str] = Counter()
+    selected = dataset.select_columns(["status", "reason", "format", *names])
     for batch in selected.iter_batches(batch_size=4096, batch_format="numpy"):
         statuses.append(np.asarray(batch["status"]).astype(str))
         malformed.add(statuses[-1], np.asarray(batch["reason"]).astype(str))
+        count_formats(formats, np.asarray(batch["format"]).astype(str))
         for name in names:
             columns[name].append(np.asarray(batch[name], dtype=np.int64))
     status = np.concatenate(statuses) if statuses else np.zeros(0, dtype=str)
@@ -158,7 +183,7 @@ def scan_dataset(dataset: Any, data: DataConfig, *, max_length: int) -> DataScan
     usable = np.isin(status, USABLE_STATUSES)
     scan = DataScan(num_rows=len(status), lengths=num_tokens[usable], counts=counts,
                     label_tokens=int(label_tokens[usable].sum()), positions=np.flatnonzero(usable),
-                    malformed=malformed)
+                    malformed=malformed, formats=dict(formats.most_common()))
     check_scan(data, scan, raw_tokens[status == "too_long"], max_length=max_length)
     return scan
 

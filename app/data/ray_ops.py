@@ -1,9 +1,9 @@
 """The functions Ray Data runs in `map_batches`, and the classes behind them.
 
     ray.data.range(n) --SynthesizeBatch--> {sample_id, messages}          (data.source: synthetic)
-    read_parquet / read_text / from_huggingface --> {messages | text | json_line rows}
+    read_parquet / read_text / from_arrow --> {every column of the rows | json_line rows}
         --TokenizeBatch--> {input_ids list<int32>, labels list<int32>, num_tokens, raw_tokens, label_tokens,
-                            status, reason ("" unless status is malformed)}
+                            status, reason ("" unless status is malformed), format (the row format)}
 
 `tokenize` and `synthesize_and_tokenize` are plain functions, so Ray Data runs them as tasks fused with the
 read into one task (an actor-pool map would be a process of its own beside the read task, ~2-4 s of CPU to
@@ -69,15 +69,13 @@ class TokenizeBatch:
             "label_tokens": pa.array(out.label_tokens, pa.int64()),
             "status": pa.array(out.status, pa.string()),
             "reason": pa.array(out.reason, pa.string()),
+            "format": pa.array(out.format, pa.string()),
         })
 
     def _rows(self, batch: pa.Table) -> list[dict[str, Any]]:
         if self.json_lines:
             return [{"json_line": line} for line in batch.column("text").to_pylist()]
-        present = [name for name in ("messages", "text") if name in batch.column_names]
-        values = [batch.column(name).to_pylist() for name in present]
-        return [dict(zip(present, row, strict=True)) for row in zip(*values, strict=True)] if present \
-            else [{} for _ in range(batch.num_rows)]
+        return batch.to_pylist()  # every column: the row format decides which it reads (app/data/formats/)
 
 
 def tokenize(batch: pa.Table, tokenize: tuple[Any, ...]) -> pa.Table:

@@ -1,10 +1,18 @@
-"""Dataset formats on disk: detection, ordered file lists, and Ray-free row batches.
+"""Dataset sources: detection, ordered file lists, the row-format check, and Ray-free row batches.
 
-    data.format   data.path                              rows
-    parquet       file.parquet | dir of *.parquet         `messages` and/or `text` columns
-    jsonl         file.jsonl | dir of *.jsonl            one JSON object per line (blank lines skipped)
-    hf            `datasets` save_to_disk directory      `messages` and/or `text` columns
-    auto          hf if the dir holds dataset_info.json / state.json / dataset_dict.json, else by suffix
+    data.source  data.format  data.path                          rows
+    path         parquet      file.parquet | dir of *.parquet     every column of the files
+    path         jsonl        file.jsonl | dir of *.jsonl         a JSON object per line (blank ones skipped)
+    path         hf           `datasets` save_to_disk directory  every column of the dataset
+    path         auto         hf if the dir holds dataset_info.json / state.json / dataset_dict.json,
+                              else by suffix
+    hf           (ignored)    hub dataset id | local dataset dir  every column of `load_dataset(...)` (hub.py)
+
+Rows keep every column: which ones matter is the row format's business (app/data/formats/, data.format_type,
+data.columns). Where the schema is known before reading a row (parquet, save_to_disk, load_dataset) the
+columns must match at least one registered format (`formats.detect`, after the data.columns mapping), or
+resolve_source fails with one DataError naming data.path, the columns, data.format_type and data.columns;
+JSONL rows are checked one by one as they are tokenized (a row no format reads is a counted `malformed` row).
 
 Files of a directory are read in sorted path order (nested dirs included), so the row stream, and with it
 the planner's sample ids, is the same on every run. JSONL lines are handed on raw (`json_line`) and parsed
@@ -13,7 +21,9 @@ by the tokenizer, so one bad line is a counted `malformed` row instead of a fail
 Bad files fail on the driver, in resolve_source, with one DataError naming data.path and the file, before
 any Ray task starts: every parquet file's schema (footer) is read, so a 0-byte, cut-off or non-parquet
 file, or one that cannot be opened, is caught there; every JSONL file is read through once and decoded as
-UTF-8 (a line-at-a-time reader would otherwise die mid-run with a raw UnicodeDecodeError).
+UTF-8 (a line-at-a-time reader would otherwise die mid-run with a raw UnicodeDecodeError). A `datasets`
+source (save_to_disk or load_dataset) is loaded there too, once per process, and rides on the DataSource
+(`dataset`) to `plan` and to the Ray pipeline.
 
 data.path may also be a URI of a pyarrow filesystem (s3://bucket/data.parquet?endpoint_override=..., see
 workers/storage.py): the same checks run through that filesystem, `files` are paths inside it and
@@ -22,29 +32,38 @@ workers/storage.py): the same checks run through that filesystem, `files` are pa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from app.config import DataConfig
-from app.data import DataError
+from app.data import DataError, formats
+from app.data.hub import describe, load_split
 from workers.storage import Location, is_remote, redact_text
 
-ROW_COLUMNS = ("messages", "text")
+LOAD_DATASET = "load_dataset"
+"""DataSource.format of data.source=hf (app/data/hub.py)."""
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
 
 
 @dataclass(frozen=True)
 class DataSource:
-    """A resolved dataset on disk: its format, its files in read order (hf: the directory) and columns."""
+    """A resolved dataset: its format, its files in read order and its columns.
+
+    files: parquet / jsonl: the data files; hf: the save_to_disk directory; load_dataset: the Arrow files
+    of the split in the datasets cache (what the run's fingerprint hashes). columns: every column, in
+    schema order; () for JSONL, whose keys are only known row by row.
+    """
 
     format: str
     files: tuple[str, ...]
     columns: tuple[str, ...]
     filesystem: Any = None
     """The pyarrow filesystem `files` are in (data.path a URI), or None: local files."""
+    dataset: Any = field(default=None, compare=False, repr=False)
+    """hf / load_dataset: the loaded `datasets.Dataset` (loaded once, read by `plan` and the pipeline)."""
 
 
 def resolve_source(data: DataConfig) -> DataSource:
@@ -59,6 +78,8 @@ def resolve_source(data: DataConfig) -> DataSource:
 
 
 def _resolve_source(data: DataConfig) -> DataSource:
+    if data.source == "hf":
+        return _resolve_load_dataset(data)
     if not data.path:
         raise DataError("data.source=path needs data.path (a parquet, jsonl or HF dataset directory)")
     if is_remote(data.path):
@@ -70,7 +91,9 @@ def _resolve_source(data: DataConfig) -> DataSource:
     if fmt == "hf":
         if not path.is_dir():
             raise DataError(f"data.format=hf needs a save_to_disk directory; data.path={data.path!r}")
-        return DataSource(format="hf", files=(str(path),), columns=_hf_columns(str(path)))
+        dataset = load_hf_dataset(str(path))
+        columns = _require_format(data, dataset.column_names, f"data.path={data.path!r}")
+        return DataSource(format="hf", files=(str(path),), columns=columns, dataset=dataset)
     suffix = ".parquet" if fmt == "parquet" else ".jsonl"
     files = _list_files(path, (suffix, ".json") if fmt == "jsonl" else (suffix,))
     if not files:
@@ -78,10 +101,16 @@ def _resolve_source(data: DataConfig) -> DataSource:
     if fmt == "jsonl":
         for file in files:
             _check_utf8(file)
-        return DataSource(format=fmt, files=files, columns=ROW_COLUMNS)
-    schemas = [_parquet_schema_names(file) for file in files]  # reads every footer: bad files fail here
-    columns = _require_columns(schemas[0], f"data.path file {files[0]!r}")
-    return DataSource(format=fmt, files=files, columns=columns)
+        return DataSource(format=fmt, files=files, columns=())
+    return DataSource(format=fmt, files=files, columns=_parquet_columns(data, files))
+
+
+def _resolve_load_dataset(data: DataConfig) -> DataSource:
+    """data.source=hf: load the split (hub.py), check its columns, list its Arrow files in the cache."""
+    dataset = load_split(data)
+    columns = _require_format(data, dataset.column_names, describe(data))
+    files = tuple(entry["filename"] for entry in dataset.cache_files)
+    return DataSource(format=LOAD_DATASET, files=files, columns=columns, dataset=dataset)
 
 
 def _resolve_remote(data: DataConfig) -> DataSource:
@@ -111,10 +140,9 @@ def _resolve_remote(data: DataConfig) -> DataSource:
     if fmt == "jsonl":
         for file in paths:
             _check_utf8(file, filesystem)
-        return DataSource(format=fmt, files=paths, columns=ROW_COLUMNS, filesystem=filesystem)
-    schemas = [_parquet_schema_names(file, filesystem) for file in paths]
-    columns = _require_columns(schemas[0], f"data.path file {paths[0]!r}")
-    return DataSource(format=fmt, files=paths, columns=columns, filesystem=filesystem)
+        return DataSource(format=fmt, files=paths, columns=(), filesystem=filesystem)
+    return DataSource(format=fmt, files=paths, columns=_parquet_columns(data, paths, filesystem),
+                      filesystem=filesystem)
 
 
 def _remote_hf(path: str) -> DataError:
@@ -146,11 +174,42 @@ def _list_files(path: Path, suffixes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix in suffixes))
 
 
-def _require_columns(present: list[str], where: str) -> tuple[str, ...]:
-    columns = tuple(c for c in ROW_COLUMNS if c in present)
-    if not columns:
-        raise DataError(f"{where} has no `messages` or `text` column (columns: {present}); check data.path")
+def _parquet_columns(data: DataConfig, files: Sequence[str], filesystem: Any = None) -> tuple[str, ...]:
+    """Every file's footer is read (bad files fail here) and its columns checked; the first file's columns."""
+    schemas = [_parquet_schema_names(file, filesystem) for file in files]
+    for file, names in zip(files, schemas, strict=True):
+        _require_format(data, names, f"data.path file {file!r}")
+    return tuple(schemas[0])
+
+
+def _require_format(data: DataConfig, present: Sequence[str], where: str) -> tuple[str, ...]:
+    """`present` as a tuple when a row format reads rows with these columns, else DataError.
+
+    The format is data.format_type, or with `auto` any registered one (`formats.detect`), after the
+    data.columns renames. Whether each row is well-formed is decided row by row when it is tokenized.
+    """
+    columns = tuple(present)
+    if _readable_as(data, frozenset(columns)) is None:
+        which = "no row format reads" if data.format_type == "auto" else \
+            f"row format {data.format_type!r} does not read"
+        raise DataError(
+            f"{where} has columns {list(columns)}, which {which} (data.format_type="
+            f"{data.format_type}, data.columns={dict(data.columns)}; formats: {', '.join(formats.FORMATS)}); "
+            "map the columns with data.columns (e.g. {prompt: question, completion: answer}), set "
+            "data.format_type, or check data.path"
+        )
     return columns
+
+
+def _readable_as(data: DataConfig, keys: frozenset[str]) -> str | None:
+    """The format rows with these column names are read as: data.format_type, or the one `auto` picks.
+
+    None when that format (with `auto`: every registered one) cannot read rows with these keys.
+    """
+    if data.format_type == "auto":
+        return formats.detect(keys, data.columns)
+    row_format = formats.FORMATS[formats.check_format(data.format_type)]
+    return row_format.name if row_format.matches(formats.column_map(data.columns).rename_keys(keys)) else None
 
 
 def _unreadable(file: str, why: object) -> DataError:
@@ -220,12 +279,13 @@ def load_hf_dataset(path: str) -> Any:
     return loaded
 
 
-def _hf_columns(path: str) -> tuple[str, ...]:
-    return _require_columns(list(load_hf_dataset(path).column_names), f"data.path={path!r}")
+def arrow_table(source: DataSource) -> Any:
+    """The pyarrow Table of an hf / load_dataset source, in row order (any indices mapping applied)."""
+    return source.dataset.with_format("arrow")[:]
 
 
 def iter_local_rows(source: DataSource, batch_size: int) -> Iterator[list[dict[str, Any]]]:
-    """Row batches without Ray (for `plan`): dicts with `messages`/`text` keys, or `json_line` for JSONL."""
+    """Row batches without Ray (for `plan`): dicts of every column, or {`json_line`: line} for JSONL."""
     if source.format == "jsonl":
         yield from _iter_jsonl(source.files, batch_size, source.filesystem)
         return
@@ -234,11 +294,10 @@ def iter_local_rows(source: DataSource, batch_size: int) -> Iterator[list[dict[s
 
         for file in source.files:
             parquet = pq.ParquetFile(file, filesystem=source.filesystem)
-            for batch in parquet.iter_batches(batch_size=batch_size, columns=list(source.columns)):
+            for batch in parquet.iter_batches(batch_size=batch_size):
                 yield batch.to_pylist()
         return
-    table = load_hf_dataset(source.files[0]).with_format("arrow")[:]  # applies any indices mapping
-    for batch in table.select(list(source.columns)).to_batches(max_chunksize=batch_size):
+    for batch in arrow_table(source).to_batches(max_chunksize=batch_size):
         yield batch.to_pylist()
 
 

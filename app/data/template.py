@@ -1,19 +1,28 @@
-"""Rows -> token ids + labels with the Qwen chat template; pure (no Ray), shared by Ray Data and `plan`.
+"""Rows -> token ids + labels through the run's chat template; pure (no Ray), shared by Ray Data and `plan`.
 
-Chat rows (`messages: [{role, content}, ...]`) render as Qwen's ChatML, one block per message:
+Every row becomes a Conversation (app/data/formats/: data.format_type, data.columns), then
+
+    chat                    rendered by data.chat_template through transformers, labels on the spans of
+                            app/data/chat_template.py, encoded by app/data/chat_encode.py (the whole
+                            rendered string, as apply_chat_template encodes it)
+    segments                (`text` rows, string prompt-completion rows) each segment encoded as plain text,
+                            labeled by its flag, then the tokenizer's EOS with a label (data.add_eos)
+    chat, data.chat_template=none
+                            one exchange as plain text segments: "{system}\\n{user}\\n" without a loss,
+                            "{answer}" with one, then EOS; any other chat (several turns, tool calls) is
+                            malformed
+
+With the bundled `qwen` tokenizer the template is ChatML, one block per message:
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n
 
     ids     [im_start] [user \\n] [What is 2+2?] [im_end] [\\n] [im_start] [assistant \\n] [4] [im_end] [\\n]
     labels   -100      -100 -100  -100 ... -100   -100     -100  -100       -100      -100    4   im_end  -100
                                                                                           ^^^^^^^^^^^
-    data.labels=assistant: labels = ids on the assistant content and its <|im_end|> only (what the model must
-    produce to answer and stop); data.labels=all: labels = ids everywhere. Labels are the HF convention:
-    same length as input_ids, unshifted, -100 = no loss.
-
-Each piece is encoded separately ("{role}\\n", the content, "\\n"); this equals encoding the whole rendered
-string except when a content starts with whitespace that BPE would merge with the header's newline, and it
-makes the label spans exact token boundaries. `text` rows are plain text with labels on every token.
+    data.labels=assistant: labels = ids on the assistant content and its end-of-turn token only (what the
+    model must produce to answer and stop), for the assistant turns at index >= Conversation.loss_from;
+    data.labels=all: labels = ids everywhere. Labels are the HF convention: same length as input_ids,
+    unshifted, -100 = no loss.
 
 Label tokens are counted as the loss sees them: it predicts token t+1 from token t (targets = labels
 shifted left by one, workers/batch.py shifted_targets), so the first token's label is never a target and
@@ -33,9 +42,10 @@ Left keeps the end of the conversation, so on long-context / short-answer data (
 short answer last) the last answer survives whole whenever it fits; right keeps the start (the old rule).
 
 Status of a row (never raised: the consumer counts and skips), decided in this order:
-    malformed        wrong types, bad JSON; `reason` says what, in a few words that do not depend on the
-                     row's position (so a scan can count rows by reason, app/data/malformed.py):
-                     "messages[1].content is a list, not a string", "no messages or text column", ...
+    malformed        the row format cannot read it, or the template cannot render it; `reason` says what,
+                     in a few words that do not depend on the row's position (so a scan can count rows by
+                     reason, app/data/malformed.py): "messages[1].content is a number, not a string",
+                     "data.chat_template does not render tool calls (...)", ...
     empty            no label token after the shift before any limit (no tokens, a one-token row, a chat
                      without an assistant turn with data.labels=assistant)
     ok               fits in max_length
@@ -50,56 +60,56 @@ other row carries empty ids and labels; `raw_tokens` keeps the length before tru
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from app.data import DataError
+from app.data.chat_encode import Span, encode_chats
+from app.data.chat_template import chat_spans, resolve_template
+from app.data.conversation import Conversation, MalformedRow
+from app.data.formats import column_map, to_conversation
 from app.data.tokenizer import TextTokenizer
 from scheduling.payload import IGNORE_INDEX
 
+__all__ = ["MalformedRow", "TemplateSettings", "TokenizedRows", "count_label_tokens", "render",
+           "tokenize_rows"]
+
 _TOO_LONG_STATUS = {"truncate": "truncated", "drop": "dropped", "error": "too_long"}
 _TRUNCATE_SIDES = ("left", "right")
-
-
-class MalformedRow(Exception):
-    """Internal: this row cannot be rendered; reported with status `malformed` and str(err) as its reason."""
-
-
-def _type_name(value: Any) -> str:
-    """A JSON-ish name of a value's type for reasons: a list, a number, null, ..."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, Mapping):
-        return "an object"
-    if isinstance(value, (Sequence, np.ndarray)):
-        return "a list"
-    return f"a {type(value).__name__}"
+NONE_TEMPLATE_REASON = ("data.chat_template=none renders one user -> assistant exchange (an optional system "
+                        "message first), not this chat; use a chat template for multi-turn and tool chats")
 
 
 @dataclass(frozen=True)
 class TemplateSettings:
-    """How rows become tokens: data.chat_template, data.labels, max length, data.too_long, data.truncate_side.
+    """How rows become tokens: the data.* knobs of the template, the labels and the length limit.
 
+    chat_template: data.chat_template (auto | model | chatml | none | a Jinja file's path); template_text:
+    that file's text, read on the driver (app/data/pipeline.py template_settings): workers need no copy.
+    columns: data.columns as sorted (key, value) pairs (hashable: settings key the workers' caches).
     truncate_side (with too_long=truncate): "left" keeps the LAST max_length tokens (drops the oldest
     context, so the last answer survives), "right" keeps the FIRST max_length.
     """
 
-    chat_template: bool = True
+    chat_template: str = "auto"
     labels: str = "assistant"
     max_length: int | None = None
     too_long: str = "error"
     truncate_side: str = "left"
+    format_type: str = "auto"
+    columns: tuple[tuple[str, str], ...] = ()
+    add_eos: bool = True
+    template_text: str = ""
 
     def __post_init__(self) -> None:
+        if isinstance(self.columns, Mapping):
+            object.__setattr__(self, "columns", tuple(sorted(self.columns.items())))
+        if not isinstance(self.chat_template, str) or not self.chat_template:
+            raise ValueError(f"data.chat_template={self.chat_template!r} must be auto, model, chatml, none "
+                             "or a Jinja template file")
         if self.labels not in ("assistant", "all"):
             raise ValueError(f"data.labels={self.labels!r} is not one of: assistant, all")
         if self.too_long not in _TOO_LONG_STATUS:
@@ -121,6 +131,8 @@ class TokenizedRows:
     raw_tokens: list[int] = field(default_factory=list)
     reason: list[str] = field(default_factory=list)
     """Why each malformed row could not be rendered ("" for every other row)."""
+    format: list[str] = field(default_factory=list)
+    """The row format that read each row (Conversation.format; "" for a malformed row)."""
 
     @property
     def num_tokens(self) -> list[int]:
@@ -141,79 +153,95 @@ def count_label_tokens(labels: np.ndarray) -> int:
     return int(np.count_nonzero(labels[1:] != IGNORE_INDEX))
 
 
-# A rendered row before encoding: (special-token id | text to encode, whether it carries labels).
-Piece = tuple[int | str, bool]
+@dataclass(frozen=True)
+class _Chat:
+    """A rendered chat and its loss-bearing character spans."""
+
+    text: str
+    spans: list[Span]
 
 
-def parse_record(row: Mapping[str, Any]) -> tuple[str, Any]:
-    """('messages', list) or ('text', str) from a row with `messages`, `text` or a raw `json_line`."""
-    if row.get("json_line") is not None:
-        try:
-            row = json.loads(row["json_line"])
-        except json.JSONDecodeError as err:
-            raise MalformedRow(f"bad JSON ({err.msg})") from None
-        except TypeError:
-            raise MalformedRow("bad JSON (not a text line)") from None
-        if not isinstance(row, dict):
-            raise MalformedRow(f"a JSON line must be an object, not {_type_name(row)}")
-    if row.get("messages") is not None:
-        return "messages", row["messages"]
-    if row.get("text") is not None:
-        return "text", row["text"]
-    raise MalformedRow("no messages or text column")
+@dataclass(frozen=True)
+class _Segments:
+    """Plain-text segments (text, carries a loss), then EOS with a label when `eos`."""
+
+    parts: tuple[tuple[str, bool], ...]
+    eos: bool
 
 
-def render_pieces(kind: str, value: Any, tok: TextTokenizer, settings: TemplateSettings) -> list[Piece]:
-    """Lay out one row as special ids and text pieces, each text marked with whether it carries labels."""
-    label_all = settings.labels == "all"
-    if kind == "text":
-        if not isinstance(value, str):
-            raise MalformedRow(f"text is {_type_name(value)}, not a string")
-        return [(value, True)] if value else []
-    if isinstance(value, np.ndarray):  # Ray's numpy batches hold lists as object arrays
-        value = list(value)
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        raise MalformedRow(f"messages is {_type_name(value)}, not a list of {{role, content}}")
-    pieces: list[Piece] = []
-    for index, message in enumerate(value):
-        role, content = _check_message(index, message)
-        labeled = label_all or role == "assistant"
-        if not settings.chat_template:
-            pieces.append((content, labeled))
-            continue
-        im_start, im_end = tok.require_chat_ids()
-        pieces += [(im_start, label_all), (f"{role}\n", label_all), (content, labeled),
-                   (im_end, labeled), ("\n", label_all)]
-    return pieces
+_Layout = _Chat | _Segments | str  # str: the reason of a malformed row
 
 
-def _check_message(index: int, message: Any) -> tuple[str, str]:
-    """(role, content) of messages[index]; MalformedRow naming the message and the field otherwise."""
-    where = f"messages[{index}]"
-    if not isinstance(message, Mapping):
-        raise MalformedRow(f"{where} is {_type_name(message)}, not a {{role, content}} object")
-    role, content = message.get("role"), message.get("content")
-    if role is None or content is None:
-        missing = "role" if role is None else "content"
-        raise MalformedRow(f"{where} has no {missing}")
-    if not isinstance(role, str):
-        raise MalformedRow(f"{where}.role is {_type_name(role)}, not a string")
-    if not role or "\n" in role:
-        raise MalformedRow(f"{where}.role is empty or holds a newline")
-    if not isinstance(content, str):
-        raise MalformedRow(f"{where}.content is {_type_name(content)}, not a string")
-    return role, content
+def _layout(conversation: Conversation, tok: TextTokenizer, settings: TemplateSettings) -> _Chat | _Segments:
+    """What one conversation renders to before encoding; MalformedRow when it cannot be rendered."""
+    if not conversation.is_chat:
+        return _Segments(conversation.segments, settings.add_eos)
+    template = resolve_template(tok, settings.chat_template, settings.template_text)
+    if template.text is None:
+        return _plain_exchange(conversation)
+    return _Chat(*chat_spans(template, tok, conversation, settings.labels))
 
 
-def _assemble(pieces: list[Piece], encoded: dict[str, list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate pieces into (ids, labels) using the batch's encodings of the text pieces."""
+def _plain_exchange(conversation: Conversation) -> _Segments:
+    """data.chat_template=none: (system?) user -> assistant as "{system}\\n{user}\\n" + answer, then EOS."""
+    messages = conversation.messages
+    roles = [m.get("role") for m in messages]
+    if roles not in (["user", "assistant"], ["system", "user", "assistant"]) or any(
+            not isinstance(m.get("content"), str) or m.get("tool_calls") for m in messages):
+        raise MalformedRow(NONE_TEMPLATE_REASON)
+    prompt = "".join(m["content"] + "\n" for m in messages[:-1])
+    answer = (messages[-1]["content"], conversation.loss_from < len(messages))
+    return _Segments(((prompt, False), answer), True)
+
+
+def _encode(layouts: Sequence[_Layout], tok: TextTokenizer,
+            settings: TemplateSettings) -> list[tuple[np.ndarray, np.ndarray] | str]:
+    """(ids, labels) of every layout, or its malformed reason: the chats of the batch in one
+    encode_chats call, every segment text in one encode_batch call."""
+    out: list[tuple[np.ndarray, np.ndarray] | str] = [lay if isinstance(lay, str) else "" for lay in layouts]
+    chats = [i for i, lay in enumerate(layouts) if isinstance(lay, _Chat)]
+    if chats:
+        controls = resolve_template(tok, settings.chat_template, settings.template_text).controls
+        encoded = encode_chats(tok, [layouts[i].text for i in chats], [layouts[i].spans for i in chats],
+                               controls)
+        for i, result in zip(chats, encoded, strict=True):
+            out[i] = result if isinstance(result, str) else _chat_labels(*result)
+    segments = [i for i, lay in enumerate(layouts) if isinstance(lay, _Segments)]
+    if segments:
+        texts = list(dict.fromkeys(text for i in segments for text, _ in layouts[i].parts))
+        encoded_texts = dict(zip(texts, tok.encode_batch(texts), strict=True))
+        for i in segments:
+            out[i] = _segment_labels(layouts[i], encoded_texts, tok, settings.labels == "all")
+    return out
+
+
+def _chat_labels(ids: np.ndarray, in_span: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return ids, np.where(in_span, ids, IGNORE_INDEX).astype(np.int32)
+
+
+def _segment_labels(layout: _Segments, encoded: Mapping[str, list[int]], tok: TextTokenizer,
+                    label_all: bool) -> tuple[np.ndarray, np.ndarray]:
     ids: list[int] = []
     labels: list[int] = []
-    for value, labeled in pieces:
-        part = [value] if isinstance(value, int) else encoded[value]
+    for text, labeled in layout.parts:
+        part = encoded[text]
         ids += part
-        labels += part if labeled else [IGNORE_INDEX] * len(part)
+        labels += part if labeled or label_all else [IGNORE_INDEX] * len(part)
+    if layout.eos:
+        if tok.eos_id is None:
+            raise DataError(f"data.tokenizer={tok.name!r} has no EOS token to end text rows (data.add_eos)")
+        ids.append(tok.eos_id)
+        labels.append(tok.eos_id)
     return np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32)
+
+
+def render(conversation: Conversation, tok: TextTokenizer,
+           settings: TemplateSettings) -> tuple[np.ndarray, np.ndarray]:
+    """One conversation -> (ids, labels) before any length limit; MalformedRow when it cannot be rendered."""
+    result = _encode([_layout(conversation, tok, settings)], tok, settings)[0]
+    if isinstance(result, str):
+        raise MalformedRow(result)
+    return result
 
 
 def _apply_limit(ids: np.ndarray, labels: np.ndarray,
@@ -243,34 +271,39 @@ def _apply_limit(ids: np.ndarray, labels: np.ndarray,
     return ids, labels, status
 
 
-def tokenize_rows(rows: Sequence[Mapping[str, Any]], tok: TextTokenizer,
-                  settings: TemplateSettings) -> TokenizedRows:
-    """Tokenize a batch of rows; all texts of the batch go to the tokenizer in one `encode_batch` call."""
-    rendered: list[list[Piece] | str] = []
-    texts: dict[str, None] = {}
+def _layouts(rows: Sequence[Mapping[str, Any]], tok: TextTokenizer,
+             settings: TemplateSettings) -> tuple[list[_Layout], list[str]]:
+    """Each row's layout (or malformed reason) and row format ("" when malformed)."""
+    layouts: list[_Layout] = []
+    formats: list[str] = []
+    columns = column_map(settings.columns)  # checked once (DataError naming data.columns)
     for row in rows:
         try:
-            pieces = render_pieces(*parse_record(row), tok, settings)
+            conversation = to_conversation(row, settings.format_type, columns)
+            layouts.append(_layout(conversation, tok, settings))
+            formats.append(conversation.format)
         except MalformedRow as err:
-            rendered.append(str(err))
-            continue
-        rendered.append(pieces)
-        texts.update((value, None) for value, _ in pieces if isinstance(value, str))
-    unique = list(texts)
-    encoded = dict(zip(unique, tok.encode_batch(unique), strict=True))
+            layouts.append(str(err))
+            formats.append("")
+    return layouts, formats
+
+
+def tokenize_rows(rows: Sequence[Mapping[str, Any]], tok: TextTokenizer,
+                  settings: TemplateSettings) -> TokenizedRows:
+    """Tokenize a batch of rows: each rendered once, then encoded together (module docstring)."""
+    layouts, formats = _layouts(rows, tok, settings)
     out = TokenizedRows()
     empty = np.zeros(0, dtype=np.int32)
-    for pieces in rendered:
-        reason = pieces if isinstance(pieces, str) else ""
-        if isinstance(pieces, str):
-            ids, labels, status, raw = empty, empty, "malformed", 0
+    for result, row_format in zip(_encode(layouts, tok, settings), formats, strict=True):
+        if isinstance(result, str):
+            ids, labels, status, raw, row_format = empty, empty, "malformed", 0, ""
         else:
-            full_ids, full_labels = _assemble(pieces, encoded)
-            ids, labels, status = _apply_limit(full_ids, full_labels, settings)
-            raw = len(full_ids)
+            ids, labels, status = _apply_limit(*result, settings)
+            raw = len(result[0])
         out.input_ids.append(ids)
         out.labels.append(labels)
         out.status.append(status)
         out.raw_tokens.append(raw)
-        out.reason.append(reason)
+        out.reason.append(result if isinstance(result, str) else "")
+        out.format.append(row_format)
     return out

@@ -9,8 +9,12 @@ Anything else is a HF tokenizer: a directory for `AutoTokenizer.from_pretrained`
 `tokenizer.json` file (a `tokenizers` BPE, e.g. a small vocabulary trained on the synthetic data so that
 the LM head does not dominate a tiny CPU model). Hub names work where the hub is reachable.
 
-Message text is always encoded as *plain text*: a literal "<|im_end|>" typed inside a message stays text
-and cannot forge a turn boundary. Only the chat template inserts special-token ids.
+`encode_batch` encodes *plain text*: a literal "<|im_end|>" in the text stays text. Chats are rendered by
+a chat template and encoded by app/data/chat_encode.py, which gives the template's own special tokens
+their ids and keeps special-token strings that came from the data as text (app/data/chat_template.py).
+What a template needs from the tokenizer is here: its own `chat_template` (None for `qwen` and a bare
+tokenizer.json), the variables apply_chat_template passes (`template_vars`: bos_token, eos_token, ...),
+its added tokens, and for HF tokenizers the transformers tokenizer that encodes rendered chats (`hf()`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import functools
 import os
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.data import DataError
@@ -35,7 +39,7 @@ _QWEN25_MODEL_NAME = "qwen2.5-72b-instruct"
 
 @dataclass
 class TextTokenizer:
-    """What the chat template needs from a tokenizer: plain-text encoding plus three special ids.
+    """A loaded tokenizer: plain-text encoding, its special ids, and what chat templates need from it.
 
     `encode_batch(texts)` returns one id list per text, with no BOS/EOS added and special-token
     strings treated as text. `vocab_size` counts every id the tokenizer can emit.
@@ -48,6 +52,14 @@ class TextTokenizer:
     im_end_id: int | None
     eos_id: int | None
     vocab_size: int
+    chat_template: str | None = None
+    """The tokenizer's own chat template (tokenizer_config.json / chat_template.jinja); None without one."""
+    template_vars: dict[str, Any] = field(default_factory=dict)
+    """What apply_chat_template passes a template besides the chat: the special tokens map."""
+    added_tokens: dict[str, tuple[int, bool]] = field(default_factory=dict)
+    """Added / special token strings -> (id, special): the strings a template can write as one token."""
+    cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    """Per-tokenizer memo of derived objects (resolved templates, byte lengths, the HF wrapper)."""
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if not texts:
@@ -68,13 +80,37 @@ class TextTokenizer:
         return self.backend.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def require_chat_ids(self) -> tuple[int, int]:
-        """(im_start, im_end) ids, or a DataError when this vocabulary has no chat-template tokens."""
+        """(im_start, im_end) ids, or a DataError when this vocabulary has no ChatML tokens."""
         if self.im_start_id is None or self.im_end_id is None:
             raise DataError(
-                f"data.tokenizer={self.name!r} has no {IM_START} / {IM_END} tokens, so the Qwen chat "
-                "template cannot be rendered; add them to the tokenizer or set data.chat_template=false"
+                f"data.tokenizer={self.name!r} has no {IM_START} / {IM_END} tokens, which the synthetic "
+                "source (ChatML conversations of exact lengths) needs; use data.tokenizer=qwen, or a "
+                "tokenizer with them"
             )
         return self.im_start_id, self.im_end_id
+
+    def control_tokens(self, template: str) -> dict[str, int]:
+        """The strings a template's output encodes as one token: every special token, and the other added
+        tokens the template text itself contains (Qwen2.5's `<tool_call>`), as transformers'
+        sanitize_control_tokens picks them. Whitespace tokens are plain text in any template."""
+        return {text: token_id for text, (token_id, special) in self.added_tokens.items()
+                if special or (text in template and not text.isspace())}
+
+    def hf(self) -> Any:
+        """The transformers tokenizer that encodes rendered chats (HF kinds only; built once)."""
+        if self.kind == "tiktoken":
+            raise TypeError("the qwen tiktoken vocabulary has no transformers tokenizer here")
+        if "hf" not in self.cache:
+            if self.kind == "hf":
+                if not getattr(self.backend, "is_fast", False):
+                    raise DataError(f"data.tokenizer={self.name!r} loads as a slow (Python) tokenizer; chat "
+                                    "label spans need the character offsets of a fast one (tokenizer.json)")
+                self.cache["hf"] = self.backend
+            else:  # a fresh Tokenizer: the plain-text backend has encode_special_tokens switched on
+                from transformers import PreTrainedTokenizerFast
+
+                self.cache["hf"] = PreTrainedTokenizerFast(tokenizer_file=self.name)
+        return self.cache["hf"]
 
 
 def load_tokenizer(name: str) -> TextTokenizer:
@@ -105,6 +141,9 @@ def _load_qwen() -> TextTokenizer:
         name="qwen", backend=backend, kind="tiktoken",
         im_start_id=QWEN_SPECIAL_IDS[IM_START], im_end_id=QWEN_SPECIAL_IDS[IM_END],
         eos_id=QWEN_SPECIAL_IDS[END_OF_TEXT], vocab_size=backend._tokenizer.n_vocab,
+        # As the exported tokenizer has them with a chat template (app/export_tokenizer.py)
+        template_vars={"eos_token": IM_END, "pad_token": END_OF_TEXT},
+        added_tokens={text: (token_id, True) for text, token_id in special.items()},
     )
 
 
@@ -114,11 +153,14 @@ def _load_tokenizers_file(path: str) -> TextTokenizer:
     from tokenizers import Tokenizer
 
     backend = Tokenizer.from_file(path)
-    backend.encode_special_tokens = True  # message text stays text (see module doc)
+    backend.encode_special_tokens = True  # plain text stays text (see module doc)
+    added = {token.content: (token_id, token.special)
+             for token_id, token in backend.get_added_tokens_decoder().items()}
     return TextTokenizer(
         name=path, backend=backend, kind="tokenizers",
         im_start_id=backend.token_to_id(IM_START), im_end_id=backend.token_to_id(IM_END),
         eos_id=backend.token_to_id(END_OF_TEXT), vocab_size=backend.get_vocab_size(with_added_tokens=True),
+        added_tokens=added,
     )
 
 
@@ -143,5 +185,16 @@ def _load_hf(name: str) -> TextTokenizer:
         name=name, backend=backend, kind="hf",
         im_start_id=special_id(IM_START), im_end_id=special_id(IM_END),
         eos_id=special_id(END_OF_TEXT) if special_id(END_OF_TEXT) is not None else backend.eos_token_id,
-        vocab_size=len(backend),
+        vocab_size=len(backend), chat_template=_own_template(backend),
+        template_vars=dict(backend.special_tokens_map),
+        added_tokens={token.content: (token_id, token.special)
+                      for token_id, token in backend.added_tokens_decoder.items()},
     )
+
+
+def _own_template(backend: Any) -> str | None:
+    """The tokenizer's chat template; of several named ones, the `default` (as apply_chat_template)."""
+    template = backend.chat_template
+    if isinstance(template, dict):
+        return template.get("default")
+    return template or None

@@ -7,6 +7,7 @@
           separately with labels and num_items_in_batch = total label tokens (HF's summed CE / count)
     compare: sum over ranks vs reference; loss abs diff, per-parameter max |a - b| and
     max |a - b| / max |b| (relative to the largest reference entry of that tensor: robust to zeros).
+`run_parities` checks several models over one spawn of the N ranks (each rank runs them in turn).
 """
 
 from __future__ import annotations
@@ -154,26 +155,70 @@ def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
 
     backend: gloo (every rank on CPU) or nccl (one GPU per rank); None: nccl when CUDA is available.
     """
-    import torch
+    return run_parities([spec], backend)[0]
 
+
+@dataclass(frozen=True, slots=True)
+class _Case:
+    """One spec's inputs, shared by its ranks and its reference."""
+
+    spec: ParitySpec
+    weights: str
+    plan: Any
+    ids: list[list[int]]
+    labels: list[list[int]]
+    total: int
+    trainable: int
+
+    @property
+    def job(self) -> tuple:
+        """_rank's arguments after (rank, world)."""
+        return self.spec, self.weights, self.plan, self.ids, self.labels, self.total
+
+
+def run_parities(specs: list[ParitySpec], backend: str | None = None) -> list[dict[str, Any]]:
+    """run_parity for each spec, every spec's ranks in one set of processes (one spawn, one import of torch
+    and transformers per rank: most of a tiny model's check); the specs share one cp_size."""
     from workers.tools.launch import run_workers
+
+    sizes = {spec.cp_size for spec in specs}
+    if len(sizes) != 1:
+        raise ValueError(f"run_parities runs specs of one cp_size, got {sorted(sizes)}")
+    with tempfile.TemporaryDirectory(prefix="skrull-verify-") as tmp:
+        cases = [_prepare(spec, str(Path(tmp) / f"weights{i}.pt")) for i, spec in enumerate(specs)]
+        per_rank = run_workers(_rank_each, sizes.pop(), args=([case.job for case in cases],), backend=backend)
+        return [_judge(case, [ranks[i] for ranks in per_rank], backend) for i, case in enumerate(cases)]
+
+
+def _rank_each(rank: int, world: int, jobs: list[tuple]) -> list[dict]:
+    """_rank for every job in turn, on this one process."""
+    return [_rank(rank, world, *job) for job in jobs]
+
+
+def _prepare(spec: ParitySpec, weights: str) -> _Case:
+    """The spec's seeded model saved to `weights`, its tokens, labels and DACP plan."""
+    import torch
 
     model = _build(spec)
     _randomize_lora_b(model, spec.seed)
     ids, labels = make_tokens(spec, model.config.vocab_size)
     plan = make_plan(spec.lengths, spec.cp_size, spec.distribute, model)
     total = sum(sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels)
-    with tempfile.TemporaryDirectory(prefix="skrull-verify-") as tmp:
-        weights = str(Path(tmp) / "weights.pt")
-        torch.save(model.state_dict(), weights)
-        ranks = run_workers(_rank, spec.cp_size, args=(spec, weights, plan, ids, labels, total),
-                            backend=backend)
-        ref_loss, ref_grads = _reference(spec, weights, ids, labels, total)
-        floor = None
-        if spec.dtype == "bf16":  # the same model in bf16, on the device the ranks ran on
-            device = "cuda" if backend == "nccl" or (backend is None and torch.cuda.is_available()) else "cpu"
-            _, own = _reference(spec, weights, ids, labels, total, fp32=False, device=device)
-            floor = _max_rel_diff(own, ref_grads)
+    torch.save(model.state_dict(), weights)
+    return _Case(spec, weights, plan, ids, labels, total, sum(p.requires_grad for p in model.parameters()))
+
+
+def _judge(case: _Case, ranks: list[dict], backend: str | None) -> dict[str, Any]:
+    """The ranks' summed loss and gradients against the HF model's own (run_parity's result)."""
+    import torch
+
+    spec = case.spec
+    ref_loss, ref_grads = _reference(spec, case.weights, case.ids, case.labels, case.total)
+    floor = None
+    if spec.dtype == "bf16":  # the same model in bf16, on the device the ranks ran on
+        device = "cuda" if backend == "nccl" or (backend is None and torch.cuda.is_available()) else "cpu"
+        _, own = _reference(spec, case.weights, case.ids, case.labels, case.total, fp32=False, device=device)
+        floor = _max_rel_diff(own, ref_grads)
     loss = sum(r["loss"] for r in ranks)
     params = {}
     for name, ref in ref_grads.items():
@@ -185,6 +230,7 @@ def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
     if floor is not None:
         tol = max(tol, BF16_FLOOR_FACTOR * floor)
     loss_abs = abs(loss - ref_loss)
+    plan = case.plan
     result = {
         "loss": loss, "ref_loss": ref_loss, "loss_abs_diff": loss_abs,
         "grad_max_abs_diff": max(p["abs"] for p in params.values()),
@@ -193,7 +239,7 @@ def run_parity(spec: ParitySpec, backend: str | None = None) -> dict[str, Any]:
         "rank_tokens": [r["tokens"] for r in ranks], "hf_own_grad_max_rel_diff": floor,
     }
     result["ok"] = bool(loss_abs <= loss_tol * max(1.0, abs(ref_loss)) and result["grad_max_rel_diff"] <= tol
-                        and len(params) == sum(p.requires_grad for p in model.parameters()))
+                        and len(params) == case.trainable)
     return result
 
 

@@ -1,0 +1,136 @@
+"""`data preview`: the first rows of a run's data exactly as training will see them.
+
+    rows of data.path / the hub / the synthetic source     (the same readers and generator as the run)
+      -> tokenize_rows with the run's template settings     (app/data/template.py: template, labels,
+                                                             data.max_length and data.too_long applied)
+      -> PreviewRow per row: status, format, tokens, label tokens, ids and labels (-100: no loss)
+      -> decoded text in spans of equal labeling, loss-bearing spans highlighted
+
+Decoding span by span (not token by token) keeps multi-byte characters that BPE splits across tokens
+whole. Nothing here starts Ray: the rows are read the way `plan` reads them (app/data/readers.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from app.config import SkrullConfig
+from app.data.template import count_label_tokens, tokenize_rows
+from app.data.tokenizer import TextTokenizer, load_tokenizer
+from scheduling.payload import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class PreviewRow:
+    """One row as training sees it; `labels` in the HF convention (same length as input_ids, -100 = none)."""
+
+    index: int
+    status: str
+    format: str
+    reason: str
+    input_ids: list[int]
+    labels: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def label_tokens(self) -> int:
+        """Next-token targets as the loss counts them (labels shifted by one: app/data/template.py)."""
+        return count_label_tokens(np.asarray(self.labels, dtype=np.int64))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"index": self.index, "status": self.status, "format": self.format, "reason": self.reason,
+                "num_tokens": self.num_tokens, "label_tokens": self.label_tokens,
+                "input_ids": self.input_ids, "labels": self.labels}
+
+
+def preview_rows(config: SkrullConfig, count: int) -> tuple[list[PreviewRow], TextTokenizer]:
+    """The first `count` rows of the run's data, tokenized with the run's settings, and the tokenizer."""
+    from app.data.pipeline import template_settings
+
+    tok = load_tokenizer(config.data.tokenizer)
+    settings = template_settings(config.data, config.max_sequence_length)
+    raw = list(itertools.islice(_raw_rows(config), count))
+    out = tokenize_rows(raw, tok, settings)
+    formats = getattr(out, "format", None) or [""] * len(raw)
+    rows = [PreviewRow(index=i, status=out.status[i], format=formats[i], reason=out.reason[i],
+                       input_ids=out.input_ids[i].tolist(), labels=out.labels[i].tolist())
+            for i in range(len(raw))]
+    return rows, tok
+
+
+def _raw_rows(config: SkrullConfig) -> Iterator[dict[str, Any]]:
+    """Rows in stream order, before the template: the synthetic generator's, or the readers' of data.path."""
+    data = config.data
+    if data.source == "synthetic":
+        yield from _synthetic_rows(config)
+        return
+    from app.data.readers import iter_local_rows, resolve_source
+
+    for batch in iter_local_rows(resolve_source(data), data.tokenize_batch_size):
+        yield from batch
+
+
+def _synthetic_rows(config: SkrullConfig) -> Iterator[dict[str, Any]]:
+    from app.data.synth import ConversationSynth, synth_conversations, target_lengths
+
+    data = config.data
+    synth = ConversationSynth(load_tokenizer(data.tokenizer))
+    targets = target_lengths(data.distribution, data.num_samples, data.seed, data.length_scale)
+    step = 64
+    for start in range(0, data.num_samples, step):
+        ids = np.arange(start, min(start + step, data.num_samples), dtype=np.int64)
+        for messages in synth_conversations(synth, ids, targets[ids], data.distribution, data.seed):
+            yield {"messages": messages}
+
+
+def decode(tok: TextTokenizer, ids: list[int]) -> str:
+    """Token ids -> text, special tokens written out (the three tokenizer kinds of app/data/tokenizer.py)."""
+    if not ids:
+        return ""
+    if tok.kind == "tokenizers":
+        return tok.backend.decode(ids, skip_special_tokens=False)
+    return tok.backend.decode(ids)
+
+
+def labeled_spans(tok: TextTokenizer, row: PreviewRow) -> list[tuple[str, bool]]:
+    """(decoded text, carries a loss) for each run of consecutive tokens labeled alike."""
+    spans: list[tuple[str, bool]] = []
+    pairs = zip(row.input_ids, row.labels, strict=True)
+    for labeled, group in itertools.groupby(pairs, key=lambda pair: pair[1] != IGNORE_INDEX):
+        spans.append((decode(tok, [token for token, _ in group]), labeled))
+    return spans
+
+
+def row_header(row: PreviewRow) -> str:
+    """`row 0: ok, sharegpt, 57 tokens, 12 label tokens` (and the reason of a malformed row)."""
+    fmt = f", {row.format}" if row.format else ""
+    why = f" ({row.reason})" if row.reason else ""
+    return (f"row {row.index}: {row.status}{why}{fmt}, {row.num_tokens} tokens, "
+            f"{row.label_tokens} label tokens")
+
+
+def plain_text(tok: TextTokenizer, row: PreviewRow) -> str:
+    """A row for a log file: the header, then the text with loss-bearing spans inside [[ ]]."""
+    body = "".join(f"[[{text}]]" if labeled else text for text, labeled in labeled_spans(tok, row))
+    return f"{row_header(row)}\n{body}"
+
+
+def first_usable_example(dataset: Any, tok: TextTokenizer) -> str | None:
+    """plain_text of the first usable row of a tokenized Ray dataset (the `train` log's example row)."""
+    from scheduling.payload import USABLE_STATUSES
+
+    for index, row in enumerate(dataset.iter_rows()):
+        if str(row["status"]) in USABLE_STATUSES:
+            preview = PreviewRow(index=index, status=str(row["status"]), format=str(row.get("format") or ""),
+                                 reason="", input_ids=np.asarray(row["input_ids"]).tolist(),
+                                 labels=np.asarray(row["labels"]).tolist())
+            return plain_text(tok, preview)
+    return None

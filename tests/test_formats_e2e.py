@@ -1,0 +1,129 @@
+"""Your model, your data, your template: ShareGPT, Alpaca, OpenAI-with-tool-calls and prompt-completion
+files through `data preview` and `train`, with a Llama-3-style tokenizer and a tiny Llama of its vocabulary.
+
+The reference for the labels is transformers' own rendering of the template (`apply_chat_template(...,
+tokenize=False)`) and its fast tokenizer's offsets: a token carries a loss exactly when its characters lie
+in an assistant turn's body or its <|eot_id|> (found in the rendered string by the header that opens the
+turn), never in a header, a user, system or tool turn, or the BOS.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from app.__main__ import main
+from tests.chat_fixtures import ROWS, build_llama3_tokenizer, write_format_files
+
+IGNORE = -100
+ASSISTANT_TURN = re.compile(r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n(.*?<\|eot_id\|>)", re.S)
+WEATHER_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+# What each row means as an OpenAI chat (or, for string prompt-completion, as (prompt, completion)):
+# written by hand here, independently of the format adapters (app/data/formats/).
+EXPECTED: dict[str, list] = {
+    "sharegpt": [
+        [{"role": "system", "content": "You are terse."},
+         {"role": "user", "content": "What is the capital of France?"},
+         {"role": "assistant", "content": "Paris."}],
+        [{"role": "user", "content": "Name a prime number."},
+         {"role": "assistant", "content": "Seven is prime."},
+         {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Eleven."}],
+        [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there."}],
+        [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "One two three."}],
+    ],
+    "alpaca": [
+        [{"role": "user", "content": "Translate to French.\nGood morning"},
+         {"role": "assistant", "content": "Bonjour."}],
+        [{"role": "user", "content": "Give a synonym of quick."}, {"role": "assistant", "content": "Fast."}],
+        [{"role": "user", "content": "Sum the numbers.\ntwo and three"},
+         {"role": "assistant", "content": "Five."}],
+        [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Name a color."},
+         {"role": "assistant", "content": "Blue."}],
+    ],
+    "openai_tools": [
+        [{"role": "user", "content": "What is the weather in Paris?"},
+         {"role": "assistant", "content": None, "tool_calls": [WEATHER_CALL]},
+         {"role": "tool", "content": "sunny and warm"},
+         {"role": "assistant", "content": "It is sunny and warm in Paris."}],
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."},
+         {"role": "assistant", "content": "Hello there."}],
+        [{"role": "user", "content": "Name a prime number."},
+         {"role": "assistant", "content": "Seven is prime."}],
+        [{"role": "user", "content": "Count to three."}, {"role": "assistant", "content": "One two three."}],
+    ],
+    "prompt_completion": [
+        ("The capital of France is", " Paris."),
+        ("Seven is", " prime."),
+        [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there."}],
+        [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}],
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def llama_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    root = tmp_path_factory.mktemp("llama3")
+    return build_llama3_tokenizer(root / "tokenizer"), write_format_files(root / "data")
+
+
+def _preview(tokenizer: Path, data: Path, capsys) -> list[dict]:
+    argv = ["data", "preview", "--config", "configs/tiny-cpu.yaml", "-n", "10", "--json",
+            "--set", "data.source=path", "--set", f"data.path={data}", "--set", f"data.tokenizer={tokenizer}",
+            "--set", "model.name_or_path=tiny-llama"]
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)["rows"]
+
+
+def _reference(tok, expected) -> tuple[list[int], list[int]]:
+    """(ids, labels) from transformers' rendering and the fast tokenizer's character offsets."""
+    if isinstance(expected, tuple):  # a string prompt-completion row: no template, EOS ends the completion
+        prompt, completion = (tok(text, add_special_tokens=False)["input_ids"] for text in expected)
+        ids = prompt + completion + [tok.eos_token_id]
+        return ids, [IGNORE] * len(prompt) + completion + [tok.eos_token_id]
+    text = tok.apply_chat_template(expected, tokenize=False)
+    encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans = [match.span(1) for match in ASSISTANT_TURN.finditer(text)]
+    labels = [token if any(start <= a and b <= end for start, end in spans) and b > a else IGNORE
+              for token, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)]
+    return encoded["input_ids"], labels
+
+
+def test_preview_labels_exactly_the_assistant_tokens_of_every_format(llama_data, capsys) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer, files = llama_data
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+    for name, path in files.items():
+        rows = _preview(tokenizer, path, capsys)
+        assert [row["status"] for row in rows] == ["ok"] * len(ROWS[name]), (name, rows)
+        for row, expected in zip(rows, EXPECTED[name], strict=True):
+            ids, labels = _reference(tok, expected)
+            assert row["input_ids"] == ids, (name, row["index"], tok.decode(row["input_ids"]))
+            assert row["labels"] == labels, (name, row["index"])
+            assert row["num_tokens"] == len(ids)
+            assert row["label_tokens"] == sum(label != IGNORE for label in labels[1:])
+            assert row["format"] in {"sharegpt", "alpaca", "messages", "prompt_completion"}
+
+
+def test_train_runs_two_steps_on_every_format(llama_data, local_ray, tmp_path: Path) -> None:
+    """One run over the four files (16 rows, one global batch of 16): every row of every format trains in
+    step 1, on a tiny Llama whose vocabulary is the tokenizer's."""
+    from app.config import load_config
+    from app.driver import train
+
+    tokenizer, files = llama_data
+    data = next(iter(files.values())).parent
+    config = load_config("configs/tiny-cpu.yaml", [
+        f"run.storage_path={tmp_path}", "run.name=formats", "model.name_or_path=tiny-llama",
+        "data.source=path", f"data.path={data}", f"data.tokenizer={tokenizer}",
+        "scheduling.global_batch_size=16", "train.steps=2", "data.shuffle=false"])
+    summary = train(config, progress=False)
+    assert summary.steps == 2
+    first = json.loads(Path(summary.run_dir, "samples.jsonl").read_text().splitlines()[0])
+    assert sorted(i for line in [first] for i in line["sample_ids"]) == list(range(16))
+    data_summary = json.loads(Path(summary.run_dir, "data_summary.json").read_text())
+    assert data_summary["rows"] == 16 and data_summary["usable_rows"] == 16, data_summary
