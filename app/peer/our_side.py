@@ -9,7 +9,7 @@ one warm-up step each, every engine from the same seed). Per policy and step (wa
 holds bench train's own step_s (the slowest rank's planner wait + forward, backward and optimizer step),
 cpu_s (the CPU seconds of every worker process over its fetch and step, summed over ranks), loss (the
 global batch's summed CE / its label tokens), grad_norm, tokens and sample ids; `summary` is bench
-train's summary of the counted steps (app/commands/bench_train.py), minus per-step detail.
+train's summary of the counted steps (app/bench_summary.py), minus per-step detail.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def run_ours(config: SkrullConfig, steps: int, policies: tuple[str, ...] = POLIC
     """bench train of `policies` on WARMUP_STEPS + `steps` global batches; every step of every policy."""
     from app.bench_driver import WARMUP_STEPS as BENCH_WARMUP
     from app.bench_driver import bench_train
-    from app.commands.bench_train import summarize
+    from app.bench_summary import summarize
 
     check_peer_config(config)
     if BENCH_WARMUP != WARMUP_STEPS:  # both sides must leave out the same leading steps

@@ -1,0 +1,119 @@
+"""`bench train`'s report of a BenchRun (app/bench_driver.py): one row per policy over its counted steps.
+
+The keys are `python -m app bench train`'s public --json fields (app/commands/bench_train.py lists them);
+`bench peer` (app/peer/our_side.py) reuses the same summary.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+BASELINES = ("balanced_packed", "static_cp_packed", "static_cp", "sorted")
+"""The policies every other one is compared with (`speedup_vs_<name>`)."""
+
+
+def summarize(result: Any) -> dict[str, Any]:
+    """The report of a BenchRun (app/bench_driver.py): one row per policy over its counted steps."""
+    counted = [r for r in result.records if not r["warmup"]]
+    rows = {p: _policy_row([r for r in counted if r["policy"] == p]) for p in result.policies}
+    for row in rows.values():
+        for baseline in BASELINES:
+            base = rows.get(baseline)
+            row[f"speedup_vs_{baseline}"] = base["step_s_median"] / row["step_s_median"] if base else None
+            row[f"paired_speedup_vs_{baseline}"] = _paired_speedup(base, row) if base else None
+    config = result.config
+    return {
+        "policies": rows,
+        "steps": result.steps, "warmup_steps": result.warmup_steps,
+        "dp_size": config.parallel.dp_size, "cp_size": config.parallel.cp_size,
+        "bucket_size": config.scheduling.bucket_size,
+        "global_batch_size": config.scheduling.global_batch_size,
+        "same_samples": _same_across(rows, "sample_ids"),
+        "loss_max_rel_diff": _loss_max_rel_diff(rows),
+        "wall_s": result.wall_s, "machine": result.machine, "run_dir": result.run_dir,
+        "stale_profile_warning": _stale_profile(counted, config, result.run_dir),
+    }
+
+
+def _stale_profile(counted: list[dict[str, Any]], config: Any, run_dir: str) -> str | None:
+    """app/profile_check.py over the first STALE_STEPS counted steps of every policy, pooled: every
+    policy's plans are predicted by the same profile; None when the profile is fresh."""
+    from app.preflight import CONFIG_SNAPSHOT
+    from app.profile_check import STALE_STEPS, STALE_TOLERANCE, median_ratio, stale_warning
+
+    by_policy: dict[str, list[dict[str, Any]]] = {}
+    for record in counted:
+        by_policy.setdefault(record["policy"], []).append(record)
+    pairs = [(r["predicted_step_s"], r["step_s"]) for records in by_policy.values()
+             for r in records[:STALE_STEPS]]
+    ratio = median_ratio(pairs)
+    if ratio is None or abs(ratio - 1) <= STALE_TOLERANCE:
+        return None
+    return stale_warning(ratio, config.hardware.profile, str(Path(run_dir) / CONFIG_SNAPSHOT))
+
+
+def _paired_speedup(base: dict[str, Any], row: dict[str, Any]) -> float:
+    """Median over steps of the baseline's step time / this policy's on the same global batch.
+
+    The two ran back to back on the same batch, so a burst of load on the machine hits both: more robust
+    than the ratio of medians when the machine is shared.
+    """
+    pairs = zip(base["per_step"]["step_s"], row["per_step"]["step_s"], strict=True)
+    return statistics.median(b / max(t, 1e-12) for b, t in pairs)
+
+
+def _median(values: list[float]) -> float | None:
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(finite) if finite else None
+
+
+def _imbalance(values: list[float]) -> float:
+    """max / mean: 1.0 is perfect balance."""
+    return max(values) / max(statistics.fmean(values), 1e-12)
+
+
+def _per_rank_median(records: list[dict[str, Any]], key: str) -> list[float | None]:
+    return [_median([r[key][rank] for r in records]) for rank in range(len(records[0][key]))]
+
+
+def _policy_row(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of one policy's counted steps (see the module docstring for each key)."""
+    step_s = statistics.median(r["step_s"] for r in records)
+    predicted = _median([r["predicted_step_s"] for r in records])
+    busy = _per_rank_median(records, "rank_compute_s")
+    return {
+        "step_s_median": step_s,
+        "tokens_per_s": statistics.median(r["tokens"] for r in records) / step_s,
+        "predicted_step_s": predicted,
+        "prediction_error": predicted / step_s - 1 if predicted is not None else None,
+        "planner_wait_s_median": statistics.median(r["planner_wait_s"] for r in records),
+        "step_cpu_s_median": statistics.median(max(r["rank_cpu_s"]) for r in records),
+        "compute_imbalance": statistics.median(r["compute_imbalance"] for r in records),
+        "cpu_imbalance": statistics.median(_imbalance(r["rank_cpu_s"]) for r in records),
+        "busy_s_per_rank": busy,
+        "busy_imbalance": _imbalance(busy),
+        "cpu_s_per_rank": _per_rank_median(records, "rank_cpu_s"),
+        "predicted_busy_s_per_rank": _per_rank_median(records, "rank_predicted_busy_s"),
+        "micro_batches_median": statistics.median(r["micro_batches"] for r in records),
+        "steps": len(records),
+        "torch_threads": records[0]["torch_threads"],
+        "per_step": {key: [r[source] for r in records] for key, source in (
+            ("step", "step"), ("step_s", "step_s"), ("predicted_step_s", "predicted_step_s"),
+            ("loss", "loss"), ("tokens", "tokens"), ("planner_wait_s", "planner_wait_s"),
+            ("micro_batches", "micro_batches"), ("sample_ids", "sample_ids"))},
+    }
+
+
+def _same_across(rows: dict[str, dict[str, Any]], key: str) -> bool:
+    values = [row["per_step"][key] for row in rows.values()]
+    return all(v == values[0] for v in values)
+
+
+def _loss_max_rel_diff(rows: dict[str, dict[str, Any]]) -> float:
+    """Largest |loss - first policy's loss| / |first policy's loss| over every step and policy."""
+    losses = [row["per_step"]["loss"] for row in rows.values()]
+    pairs = [(a, b) for other in losses for a, b in zip(other, losses[0], strict=True)]
+    return max((abs(a - b) / max(abs(b), 1e-12) for a, b in pairs), default=0.0)
