@@ -560,12 +560,12 @@ def _eval_path_dataset(config: SkrullConfig, *, progress: bool, out: TextIO) -> 
     return dataset, scan.num_usable
 
 
-def _stale_profile_check(config: SkrullConfig, run_dir: Path | None, total_steps: int) -> Any:
+def _stale_profile_check(config: SkrullConfig, run_dir: Path, total_steps: int) -> Any:
     """The run's stale-profile check (app/profile_check.py); `profile` takes the run's saved config."""
     from app.profile_check import StaleProfileCheck
 
-    saved = str(run_dir / CONFIG_SNAPSHOT) if run_dir is not None else "<the run's config>"
-    return StaleProfileCheck(profile=config.hardware.profile, config=saved, total_steps=total_steps)
+    return StaleProfileCheck(profile=config.hardware.profile, config=str(run_dir / CONFIG_SNAPSHOT),
+                             total_steps=total_steps)
 
 
 def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_steps: int, *, progress: bool,
@@ -607,11 +607,13 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
             raise
     sinks = tuple(sink.record if isinstance(sink, RunLog) else sink.write
                   for sink in (run_log, log, tracking, wandb_log) if sink is not None)
+    # bench train (no run_dir here) judges its counted steps itself, without warm-up (app/bench_summary.py)
+    stale_check = (_stale_profile_check(config, run_dir, total_steps),) if run_dir is not None else ()
     status = "FAILED"
     try:
         with ProgressBar(monitor, total_steps, enabled=progress, file=out, sinks=sinks,
                          start_sinks=(run_log.group_started,) if run_log else (),
-                         line_sinks=(_stale_profile_check(config, run_dir, total_steps),)) as bar, \
+                         line_sinks=stale_check) as bar, \
                 _environment(timeout):
             result = _fit_interruptibly(trainer)
         status = "FINISHED"
