@@ -1,7 +1,8 @@
 """Skrull's data scheduler, pure Python (numpy only): lengths in, frozen plans over logical ranks out.
 
     cost.py          FLOPs / KV bytes / modeled seconds / BucketSize       (CostModel, HardwareProfile)
-    plans.py         DacpPlan (one micro-batch of a CP group), StepPlan (one global batch)
+    plans.py         DacpPlan (one micro-batch of a CP group), SubgroupShards (its per-sequence CP
+                     degrees between 1 and N), StepPlan (one global batch)
     dacp_state.py    DACP's working state (RB, L, placement) and its moves, shared by dacp and refine
     dacp.py          Algorithm 1: local vs distributed per micro-batch, consistent roll-back
     refine.py        cost-model refinement of a DACP placement (beyond the paper)
@@ -23,12 +24,12 @@ from scheduling.cost import CostModel, HardwareProfile, bucket_size_from_memory
 from scheduling.dacp import plan_dacp
 from scheduling.distributions import DISTRIBUTIONS, sample_lengths
 from scheduling.gds import plan_gds
-from scheduling.plans import DacpPlan, SchedulingError, StepPlan, shard_tokens
+from scheduling.plans import DacpPlan, SchedulingError, StepPlan, SubgroupShards, shard_tokens
 from scheduling.policies import POLICIES, check_policy, plan_step
 from scheduling.simulate import StepEstimate, simulate
 
 __all__ = [
     "DISTRIBUTIONS", "POLICIES", "CostModel", "DacpPlan", "HardwareProfile", "SchedulingError",
-    "StepEstimate", "StepPlan", "bucket_size_from_memory", "check_policy", "plan_dacp", "plan_gds",
-    "plan_step", "sample_lengths", "shard_tokens", "simulate",
+    "StepEstimate", "StepPlan", "SubgroupShards", "bucket_size_from_memory", "check_policy", "plan_dacp",
+    "plan_gds", "plan_step", "sample_lengths", "shard_tokens", "simulate",
 ]

@@ -120,6 +120,9 @@ def build_rank_batch(
         raise ValueError(f"plan has {len(plan.local)} CP ranks but cp_size={cp_size} (parallel.cp_size)")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} outside [0, {cp_size})")
+    if getattr(plan, "partial", ()):  # per-sequence CP degrees (docs/design.md §13): no runtime for them yet
+        raise ValueError("this plan shards sequences over CP subgroups (scheduling.cp_degrees between 1 and "
+                         "parallel.cp_size), which the workers cannot run yet")
     columns: list[list[np.ndarray]] = [[], [], [], []]
     local_lens, chunk_lens = [], []
     for index in plan.local[cp_rank]:
