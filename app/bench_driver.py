@@ -3,7 +3,8 @@
     preflight (no Ray) ─▶ ray.init ─▶ tokenized_dataset(...).materialize() (once, shared by every planner)
         ─▶ one PlannerActor per policy (same stream, same scheduling.seed: step n is the same global batch)
         ─▶ TorchTrainer(bench_loop_per_worker).fit(): one worker group, one engine per policy, per step
-           A B C D A B C D ... after one warm-up step per policy (workers/bench_loop.py)
+           A B C D, B C D A, C D A B ... (the order rotates each step) after one warm-up step per policy
+           (workers/bench_loop.py)
         ─▶ BenchRun: every (policy, step) record, the wall time, the machine's load
 
 Everything but the worker loop is `train`'s own driver code (app/driver.py): the same Ray session and

@@ -124,3 +124,13 @@ def test_a_profile_off_by_more_than_30_percent_is_named_with_the_command_that_re
         assert "hardware.profile=cpu" in warning and "python -m app profile --config" in warning
         assert ("200% slower" if factor > 1 else "200% faster") in warning
         assert warning in format_report(summary)
+
+
+def test_the_policy_order_rotates_each_step_so_every_policy_runs_first_in_turn() -> None:
+    from workers.bench_loop import rotated
+
+    names = ["skrull", "balanced_packed", "static_cp"]
+    orders = [rotated(names, step) for step in range(1, 7)]
+    assert orders[:3] == [names, names[1:] + names[:1], names[2:] + names[:2]]
+    assert orders[3:] == orders[:3]
+    assert [order[0] for order in orders] == names * 2

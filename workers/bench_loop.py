@@ -2,7 +2,8 @@
 
     ParallelGroups, ZeroGroups (once) ─▶ one DeepSpeed engine per policy, each from the same seed
     for step in 1 .. warmup + steps:
-        for policy in order (A B C D):  fetch_and_step(that policy's planner, that policy's engine)
+        for policy in that step's order:  fetch_and_step(that policy's planner, that policy's engine)
+            (the order rotates by one each step: A B C D, B C D A, C D A B, ...)
         flush each policy's metrics window + all_gather the per-rank timings   (collectives, not timed)
         ray.train.report(the round's records) ─▶ the driver's monitor (progress bar, results)
 
@@ -11,6 +12,11 @@ frequency, caches, the object store) step by step, so drift over the run hits ev
 of whichever ran last. Every engine starts from the same weights and every planner reads the same
 materialized stream with the same seed, so step n of every policy is the same global batch and, the math
 of a step being the same under every plan, the policies' losses agree up to summation order.
+
+Why the order rotates: the first step of a round is not like the others. It runs right after the round's
+report, while the driver handles it and the planners plan ahead, which on a small machine shares the
+same cores. A fixed order would charge that to the first policy named on every step; rotating spreads it
+over all of them (each policy runs first on every len(policies)-th step).
 
 What is measured per (policy, step), with the timers `train` reports (workers/metrics.py):
     step_s, planner_wait_s, compute_imbalance, loss, tokens   MetricsWindow.flush, exactly as in `train`
@@ -28,7 +34,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +51,8 @@ from workers.train_loop import (
     restart_planner,
     zero_groups,
 )
+
+T = TypeVar("T")
 
 RANK_TIMINGS = ("rank_wait_s", "rank_compute_s", "rank_cpu_s", "rank_predicted_busy_s")
 """Per-rank values of each record, in the order of the gathered tensor's last axis."""
@@ -91,11 +99,17 @@ def bench_loop_per_worker(loop_config: dict[str, Any]) -> None:
     dist.barrier(group=groups.world_group)  # nobody fetches before every planner planned for this group
     policies = _build_policies(settings, groups, device)
     for step in range(1, base.total_steps + 1):
-        for policy in policies:
+        for policy in rotated(policies, step):
             _timed_step(base, policy, groups, device, step)
         records = _round_records(policies, groups, device, warmup=step <= settings.warmup_steps,
                                  session=session)
         ray.train.report({**records[-1], "history": records})
+
+
+def rotated(items: list[T], step: int) -> list[T]:
+    """The order of step `step` (1-based): `items` rotated left by step - 1 (the same on every rank)."""
+    shift = (step - 1) % len(items)
+    return items[shift:] + items[:shift]
 
 
 def _build_policies(settings: BenchSettings, groups: ParallelGroups, device: Any) -> list[_Policy]:

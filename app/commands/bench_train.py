@@ -5,9 +5,10 @@
         [--plot out.png]
         [--set key=value ...] [--no-progress] [--verbose]
 
-One Ray session and one worker group train every policy, interleaved step by step (A B C D A B C D ...)
-after one warm-up step each, from identical weights on identical global batches (app/bench_driver.py,
-workers/bench_loop.py). Per policy, over the counted steps:
+One Ray session and one worker group train every policy, interleaved step by step (A B C D, B C D A, ...:
+the order rotates each step, so no policy always runs first) after one warm-up step each, from identical
+weights on identical global batches (app/bench_driver.py, workers/bench_loop.py).
+Per policy, over the counted steps:
 
     step_s_median          median of step_s = max over ranks of (planner wait + compute), as `train` reports
     step_cpu_s_median      median of the step's largest per-rank CPU time (the work, without the waiting)
