@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-BASELINES = ("balanced_packed", "static_cp_packed", "static_cp", "sorted")
+BASELINES = ("balanced_packed", "static_cp_packed", "static_cp", "sorted", "dynamic_cp")
 """The policies every other one is compared with (`speedup_vs_<name>`)."""
 
 
@@ -103,7 +103,9 @@ def _policy_row(records: list[dict[str, Any]]) -> dict[str, Any]:
         "per_step": {key: [r[source] for r in records] for key, source in (
             ("step", "step"), ("step_s", "step_s"), ("predicted_step_s", "predicted_step_s"),
             ("loss", "loss"), ("tokens", "tokens"), ("planner_wait_s", "planner_wait_s"),
-            ("micro_batches", "micro_batches"), ("sample_ids", "sample_ids"))},
+            ("micro_batches", "micro_batches"), ("sample_ids", "sample_ids"))}
+        # records written before per-sequence CP degrees existed have no such key: none were used
+        | {"subgroup_token_fraction": [r.get("subgroup_token_fraction", 0.0) for r in records]},
     }
 
 

@@ -279,6 +279,11 @@ class SchedulingConfig:
     on label tokens), or the paper's formula; scheduling/cost.py. `model` is the default because it fits
     measured time better where the LM head matters (tiny-cpu: compute residual 9% vs 71%,
     docs/benchmarks.md)."""
+    cp_degrees: tuple[int, ...] | str = "auto"
+    """The CP degrees a sequence may be sharded over (docs/design.md §13): a list of powers of two dividing
+    parallel.cp_size that holds 1 (local) and parallel.cp_size (the whole CP group), or `auto`: every such
+    power of two. [1, cp_size] is the paper's two-level DACP. Used by the skrull policy's DACP and as
+    dynamic_cp's degree set."""
 
     def __post_init__(self) -> None:
         from scheduling import POLICIES  # the policy registry is the one list of names
@@ -290,6 +295,14 @@ class SchedulingConfig:
         _require(self.static_cp_micro_batch >= 1, "scheduling.static_cp_micro_batch must be >= 1")
         _require(self.prefetch >= 1, "scheduling.prefetch must be >= 1")
         _require(self.planner_timeout_s > 0, "scheduling.planner_timeout_s must be > 0 seconds")
+        if isinstance(self.cp_degrees, str):
+            _require(self.cp_degrees == "auto",
+                     f"scheduling.cp_degrees={self.cp_degrees!r}: expected a list of CP degrees (powers of "
+                     "two dividing parallel.cp_size, with 1 and parallel.cp_size) or 'auto' (all of them)")
+        else:
+            _require(all(d >= 1 and not d & (d - 1) for d in self.cp_degrees),
+                     f"scheduling.cp_degrees={list(self.cp_degrees)}: every degree must be a power of two "
+                     ">= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -446,6 +459,12 @@ class SkrullConfig:
         if self.data.tokenizer == "auto":
             object.__setattr__(self, "data", dataclasses.replace(
                 self.data, tokenizer=default_tokenizer(self.model.name_or_path)))
+        from scheduling import SchedulingError
+
+        try:
+            _ = self.cp_degrees  # each a power of two dividing parallel.cp_size, with 1 and cp_size
+        except SchedulingError as err:
+            raise ConfigError(str(err)) from None
         dp = self.parallel.dp_size
         _require(self.scheduling.global_batch_size >= dp,
                  f"scheduling.global_batch_size={self.scheduling.global_batch_size} is smaller than the DP "
@@ -462,6 +481,13 @@ class SkrullConfig:
                  f"model.dtype={self.model.dtype} with resources.gpus_per_worker="
                  f"{self.resources.gpus_per_worker:g}: the CUDA attention kernels take bf16 only; set "
                  "model.dtype=bf16 (or resources.gpus_per_worker=0 to train on CPU)")
+
+    @property
+    def cp_degrees(self) -> tuple[int, ...]:
+        """scheduling.cp_degrees resolved against parallel.cp_size (checked in __post_init__), ascending."""
+        from scheduling.dacp_degrees import resolve_cp_degrees
+
+        return resolve_cp_degrees(self.scheduling.cp_degrees, self.parallel.cp_size)
 
     @property
     def max_sequence_length(self) -> int:

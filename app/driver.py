@@ -231,6 +231,7 @@ def planner_actor(config: SkrullConfig, dataset: Any, total_steps: int, name: st
         seed=sched.seed, static_cp_micro_batch=sched.static_cp_micro_batch,
         eval_fraction=config.data.eval_fraction, data_seed=config.data.seed,
         shuffle=config.data.shuffle and config.data.source != "synthetic",  # synthetic: random already
+        cp_degrees=config.cp_degrees,
     )
     # Ray restarts a dead planner actor (a fresh one, planning from the run's start); the workers' own
     # restart then moves it to the checkpoint's cursor. Calls are never retried: a payload call answered
@@ -261,7 +262,8 @@ def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_step
     return WorkerSettings(
         model=model_spec(config.model, train, tokenizer=config.data.tokenizer),
         deepspeed=deepspeed_config(train, dtype=config.model.dtype, on_gpu=_use_gpu(config)),
-        cp_size=config.parallel.cp_size, total_steps=total_steps, loss_chunk_tokens=train.loss_chunk_tokens,
+        cp_size=config.parallel.cp_size, cp_degrees=config.cp_degrees, total_steps=total_steps,
+        loss_chunk_tokens=train.loss_chunk_tokens,
         checkpoint_every=train.checkpoint_every, log_every=train.log_every, run_dir=run_dir,
         planner=planner, monitor=monitor, seed=train.seed, collective_timeout_s=train.collective_timeout_s,
         planner_timeout_s=config.scheduling.planner_timeout_s, eval_every=train.eval_every,

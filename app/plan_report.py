@@ -13,6 +13,14 @@ Bound ratios (see scheduling/simulate.py for the bounds and their proofs), the h
                          all ranks, no communication), which no plan keeping a sequence inside one CP group
                          can reach when one sequence outweighs a CP group's share ("perfect bal")
     bound_ratio_median   the median of the per-batch step / perfect-balance bound ("p. bal p50")
+The bounds allow every CP degree of scheduling.cp_degrees (scheduling.simulate.lower_bounds), the same for
+every policy.
+
+Per-sequence CP degrees (docs/design.md §13): skrull plans with scheduling.cp_degrees and dynamic_cp uses
+them as its degree set. When they go beyond [1, N], skrull is planned a second time at [1, N] (the paper's
+two-level DACP) and `degree_summary` reports the modeled speedup of the configured degrees over it
+("speedup_all_degrees_vs_two_level") and over dynamic_cp ("speedup_vs_dynamic_cp"): `plan --json`'s
+"cp_degrees" object, and one line under the table.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import numpy as np
 
 from app.config import ConfigError, SkrullConfig
 from scheduling import POLICIES, CostModel, SchedulingError, StepEstimate, plan_step, sample_lengths, simulate
+from scheduling.dacp_degrees import is_two_level
 
 COLUMNS = (
     ("policy", "{}"), ("modeled_step_s", "{:.4f}"), ("speedup_vs_balanced_packed", "{:.2f}x"),
@@ -141,19 +150,46 @@ class PolicyRun:
         return sum(e.step_s for e in self.estimates)
 
 
-def run_policies(config: SkrullConfig, cost: CostModel, batches: list[np.ndarray]) -> dict[str, PolicyRun]:
-    """Plan and model every batch with every policy."""
+def run_policies(config: SkrullConfig, cost: CostModel, batches: list[np.ndarray],
+                 policies: tuple[str, ...] = POLICIES,
+                 cp_degrees: tuple[int, ...] | None = None) -> dict[str, PolicyRun]:
+    """Plan and model every batch with every policy, at `cp_degrees` (None: the config's)."""
     par, sched = config.parallel, config.scheduling
-    runs = {p: PolicyRun() for p in POLICIES}
+    degrees = config.cp_degrees if cp_degrees is None else cp_degrees
+    bound_degrees = config.cp_degrees  # one bound for every run: the plans the config allows
+    runs = {p: PolicyRun() for p in policies}
     for batch in batches:
-        for policy in POLICIES:
+        for policy in policies:
             start = time.perf_counter()
             step = plan_step(policy, batch, dp_size=par.dp_size, cp_size=par.cp_size,
                              bucket_size=sched.bucket_size, cost=cost, seed=sched.seed,
-                             static_cp_micro_batch=sched.static_cp_micro_batch)
+                             static_cp_micro_batch=sched.static_cp_micro_batch, cp_degrees=degrees)
             runs[policy].plan_ms.append((time.perf_counter() - start) * 1e3)
-            runs[policy].estimates.append(simulate(step, batch, cost))
+            runs[policy].estimates.append(simulate(step, batch, cost, cp_degrees=bound_degrees))
     return runs
+
+
+def degree_summary(config: SkrullConfig, runs: dict[str, PolicyRun], two_level: PolicyRun) -> dict[str, Any]:
+    """The configured CP degrees against [1, N] (skrull planned there: `two_level`) and dynamic_cp."""
+    skrull = runs["skrull"].total_s
+    return {
+        "cp_degrees": list(config.cp_degrees),
+        "modeled_step_s": skrull / len(runs["skrull"].estimates),
+        "two_level_modeled_step_s": two_level.total_s / len(two_level.estimates),
+        "dynamic_cp_modeled_step_s": runs["dynamic_cp"].total_s / len(runs["dynamic_cp"].estimates),
+        "speedup_all_degrees_vs_two_level": two_level.total_s / skrull,
+        "speedup_vs_dynamic_cp": runs["dynamic_cp"].total_s / skrull,
+        "speedup_vs_balanced_packed": runs["balanced_packed"].total_s / skrull,
+        "two_level_plan_ms_median": float(np.median(two_level.plan_ms)),
+    }
+
+
+def degree_line(degrees: dict[str, Any]) -> str:
+    """One line for the plan's text output."""
+    return (f"cp_degrees={degrees['cp_degrees']}: skrull {degrees['modeled_step_s']:.4f} s, "
+            f"{degrees['speedup_all_degrees_vs_two_level']:.3f}x over [1, N] (two-level DACP, "
+            f"{degrees['two_level_modeled_step_s']:.4f} s), {degrees['speedup_vs_dynamic_cp']:.3f}x over "
+            f"dynamic_cp ({degrees['dynamic_cp_modeled_step_s']:.4f} s) (modeled)")
 
 
 def summarize(runs: dict[str, PolicyRun]) -> dict[str, dict[str, float]]:
@@ -214,14 +250,18 @@ def plot_ranks(runs: dict[str, PolicyRun], path: str) -> None:
     plt.close(fig)
 
 
-def plan_dry_run(config: SkrullConfig,
-                 cost: CostModel) -> tuple[dict[str, PolicyRun], dict, TooLongReport, dict[str, Any]]:
+def plan_dry_run(config: SkrullConfig, cost: CostModel) -> tuple[dict[str, PolicyRun], dict, TooLongReport,
+                                                                 dict[str, Any], dict[str, Any]]:
     """Sample, plan and model; SchedulingError becomes a ConfigError (it names the knob already).
 
-    Returns the runs, their summary, what data.too_long did, and what the rows read were."""
+    Returns the runs, their summary, what data.too_long did, what the rows read were, and the CP degrees'
+    summary (degree_summary)."""
     batches, too_long, read = sample_batches_with_data(config)
     try:
         runs = run_policies(config, cost, batches)
+        n = config.parallel.cp_size
+        two_level = runs["skrull"] if is_two_level(config.cp_degrees, n) else run_policies(
+            config, cost, batches, ("skrull",), tuple(sorted({1, n})))["skrull"]
     except SchedulingError as err:
         raise ConfigError(str(err)) from None
-    return runs, summarize(runs), too_long, read
+    return runs, summarize(runs), too_long, read, degree_summary(config, runs, two_level)

@@ -5,10 +5,12 @@
                      degrees between 1 and N), StepPlan (one global batch)
     dacp_state.py    DACP's working state (RB, L, placement) and its moves, shared by dacp and refine
     dacp.py          Algorithm 1: local vs distributed per micro-batch, consistent roll-back
+    dacp_degrees.py  per-sequence CP degrees 1..N on aligned subgroups (scheduling.cp_degrees, design §13)
     refine.py        cost-model refinement of a DACP placement (beyond the paper)
     gds.py           Algorithm 2: LPT over DP ranks, strided micro-batches, equal counts per DP rank
     skrull.py        the skrull policy: GDS + DACP, falling back to GDS-only when that models faster
     baselines.py     static CP, packed static CP, sorted batching, the DACP-only ablation
+    dynamic_cp.py    Megatron-style dynamic CP: smallest fitting power-of-two degree, S^2-balanced buckets
     policies.py      the policy registry (name -> planner), POLICIES, plan_step, check_policy
     simulate.py      modeled step time, perfect-balance bound, imbalances
     distributions.py seeded synthetic lengths of the paper's three datasets

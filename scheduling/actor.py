@@ -73,6 +73,9 @@ class PlannerSettings:
     shuffle: bool = False
     """data.shuffle (never for the synthetic source): visit each epoch in epoch_order(rows, data_seed,
     epoch) (scheduling/order.py) instead of the stream order."""
+    cp_degrees: tuple[int, ...] | None = None
+    """scheduling.cp_degrees, resolved (SkrullConfig.cp_degrees): the CP degrees the skrull policy's DACP
+    may give a sequence (docs/design.md §13); None: [1, cp_size], the two-level DACP of the paper."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.global_batch_size < self.dp_size or self.prefetch < 1:
@@ -287,6 +290,7 @@ class PlannerActor:
         step_plan = plan_step(
             s.policy, lengths, dp_size=s.dp_size, cp_size=s.cp_size, bucket_size=s.bucket_size,
             cost=self._cost, seed=s.seed + step, static_cp_micro_batch=s.static_cp_micro_batch, labels=labels,
+            cp_degrees=s.cp_degrees,
         )
         plan_ms = (time.perf_counter() - started) * 1e3
         estimate = simulate(step_plan, lengths, self._cost, labels=labels)

@@ -37,6 +37,10 @@ Times (a HardwareProfile holds the rates; see configs/hardware/*.yaml for the so
                   a_c*V + b_c above it (a_c = 1/bandwidth, b_c = offset; offset 0 is the pure
                   max(latency, bytes/bandwidth) of an ideal link). bandwidth, latency and offset are the
                   intra-node ones while the CP group fits one node, the inter-node ones otherwise.
+    ring(d,g,V) = comm_passes * L * (d-1) * max(latency, offset + V/(L*d) / bandwidth)
+                  per-sequence CP degrees (docs/design.md §13, SubgroupClock): the ring of an aligned
+                  subgroup g of d ranks, on the intra-node links iff its world ranks sit on one node
+                  (subgroup_crosses_node; CP ranks are contiguous world ranks); d = N is T_comm above.
 
 Memory: activations are linear in tokens, so a rank's budget is a token count
     C = (device memory - static memory - safety) / alpha,  alpha = activation bytes per token
@@ -352,6 +356,21 @@ class Clock:
         self._offset = p.intra_node_comm_offset_s if inside else p.inter_node_comm_offset_s
         self._bandwidth = p.intra_node_bandwidth if inside else p.inter_node_bandwidth
 
+    @property
+    def factor(self) -> float:
+        """train_flops_factor (comp(F) = F * factor / denom)."""
+        return self._factor
+
+    @property
+    def denom(self) -> float:
+        """peak_flops * mfu."""
+        return self._denom
+
+    @property
+    def overlap(self) -> float:
+        """ring_overlap (overlapped(c, l) = c + l - overlap * min(c, l))."""
+        return self._overlap
+
     def comp(self, flops: float) -> float:
         return flops * self._factor / self._denom
 
@@ -371,6 +390,94 @@ class Clock:
         """time() with T_comm(V) already computed (the local search keeps it while V does not change)."""
         local = max_local * self._factor / self._denom
         return comm_s + local - self._overlap * min(comm_s, local) + dist * self._factor / self._denom
+
+
+def subgroup_crosses_node(gpus_per_node: int, cp_size: int, degree: int, group: int, cp_group: int) -> bool:
+    """Whether aligned CP subgroup [group*degree, (group+1)*degree) of CP group `cp_group` spans two nodes.
+
+    CP ranks are contiguous world ranks (CP group k holds world ranks [k*N, (k+1)*N), nodes hold
+    gpus_per_node consecutive ranks), so the subgroup's world ranks are [k*N + g*d, k*N + (g+1)*d) and it
+    crosses a node boundary iff its first and last rank sit on different nodes.
+    """
+    first = cp_group * cp_size + group * degree
+    return first // gpus_per_node != (first + degree - 1) // gpus_per_node
+
+
+class SubgroupClock:
+    """Ring times of every aligned CP subgroup of one CP group (per-sequence CP degrees, design §13).
+
+    A degree-d ring (1 < d < N) over subgroup g moves, per layer, d-1 steps of V/(L*d) bytes each, on the
+    intra-node links when the subgroup's world ranks sit on one node and the inter-node links otherwise
+    (subgroup_crosses_node):
+
+        ring(d, g, V) = comm_passes * L*(d-1) * max(latency, offset + V/(L*d) / bandwidth)
+
+    Degree N is today's whole-group ring, `base.comm(V)` (Clock), unchanged bit for bit: the whole CP group
+    keeps its rule (intra-node iff N <= gpus_per_node), so two-level plans model exactly as before.
+    `base` also carries comp / overlapped / overhead for the micro-batch's world.
+    """
+
+    __slots__ = ("base", "cp_size", "_kinds", "_rings")
+
+    def __init__(self, cost: CostModel, cp_size: int, world: int = 1, cp_group: int = 0) -> None:
+        p = cost.profile
+        self.base = Clock(cost, cp_size, world)
+        self.cp_size = cp_size
+        self._rings: dict[tuple[int, int], tuple[float, float, float, float, float]] = {}
+        self._kinds: dict[int, tuple[int, ...]] = {}  # per degree: the first group of each link kind
+        degree = 2
+        while degree < cp_size:
+            if cp_size % degree == 0:
+                kinds: dict[bool, int] = {}
+                for group in range(cp_size // degree):
+                    across = subgroup_crosses_node(p.gpus_per_node, cp_size, degree, group, cp_group)
+                    kinds.setdefault(across, group)
+                    self._rings[degree, group] = (
+                        p.comm_passes * (cost.num_layers * (degree - 1)), float(cost.num_layers * degree),
+                        p.inter_node_latency_s if across else p.intra_node_latency_s,
+                        p.inter_node_comm_offset_s if across else p.intra_node_comm_offset_s,
+                        p.inter_node_bandwidth if across else p.intra_node_bandwidth)
+                self._kinds[degree] = tuple(kinds.values())
+            degree *= 2
+
+    def ring(self, degree: int, group: int, volume: float) -> float:
+        """Seconds of the ring of `volume` K/V bytes over subgroup `group` of `degree` ranks (0: empty)."""
+        if degree >= self.cp_size:
+            return self.base.comm(volume)
+        if degree <= 1 or volume <= 0:
+            return 0.0
+        scale, per_step, latency, offset, bandwidth = self._rings[degree, group]
+        return scale * max(latency, offset + volume / per_step / bandwidth)
+
+    def ring_floor(self, degree: int, volume: float) -> float:
+        """The fastest ring of `volume` bytes over any aligned subgroup of `degree` ranks (a lower bound)."""
+        if degree >= self.cp_size:
+            return self.base.comm(volume)
+        if degree <= 1 or volume <= 0:
+            return 0.0
+        # the subgroups of one degree differ only in their links: one group of each kind is enough
+        return min(self.ring(degree, group, volume) for group in self._kinds[degree])
+
+
+def ring_lower_bound(cost: CostModel, volume: float, degree: int, cp_size: int) -> float:
+    """A lower bound of the ring time of `volume` bytes over any degree-`degree` subgroup of any CP group.
+
+    Degree N is t_comm(volume, N) exactly (today's rule); 1 < d < N takes the cheaper of the intra- and
+    inter-node links unless d > gpus_per_node (then the subgroup must cross a node)."""
+    if degree >= cp_size:
+        return cost.t_comm(volume, cp_size)
+    if degree <= 1 or volume <= 0:
+        return 0.0
+    p = cost.profile
+    per_step = volume / (cost.num_layers * degree)
+    steps = p.comm_passes * (cost.num_layers * (degree - 1))
+    inter = steps * max(p.inter_node_latency_s,
+                        p.inter_node_comm_offset_s + per_step / p.inter_node_bandwidth)
+    if degree > p.gpus_per_node:
+        return inter
+    intra = steps * max(p.intra_node_latency_s,
+                        p.intra_node_comm_offset_s + per_step / p.intra_node_bandwidth)
+    return min(intra, inter)
 
 
 def bucket_size_from_memory(*, device_memory_bytes: float, static_memory_bytes: float,

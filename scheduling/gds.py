@@ -32,6 +32,21 @@
    - after the first fit M, the common counts M+1 .. M+EXTRA_COUNTS are planned too while the lower
      bound max_r floor_r + M'*b is below the best step so far, and the fastest is kept.
 
+5. Per-sequence CP degrees (`cp_degrees` beyond [1, N], docs/design.md §13; with a cost model and
+   refine=True), after steps 1-4 chose the split at [1, N]: DP ranks from the slowest down, every
+   micro-batch of the rank is also placed by scheduling.dacp_degrees (each sequence at degree 1, N or a
+   power of two in between, on an aligned subgroup) and that placement replaces the two-level one only
+   when it models strictly faster; the pass stops at the first rank whose two-level time is at most the
+   slowest re-placed rank's (it cannot set the step any more). A micro-batch is skipped when its
+   two-level placement models within MIXED_GAP of its lower bound (dacp_degrees.micro_batch_floor), or
+   keeps every sequence whole with none heavier than a CP rank's fair share (sum F / N): nothing a ring
+   would balance. The split, counts and every other micro-batch are the two-level plan's, and every
+   replaced micro-batch models faster, so the step never models slower than [1, N]'s. Re-placing the
+   critical ranks only (not every trial micro-batch inside the split search) keeps the planner's latency:
+   measured on 7B / ChatQA2 (CP=16, h100) it gives up ~1% of the modeled gain of planning every trial
+   micro-batch with all degrees (16.63 s against 16.46 s over four batches, 23.0 s at [1, N]) at a
+   fraction of the cost (docs/benchmarks.md). [1, N] (or None) skips step 5: today's plans.
+
 `execution="static"` (the GDS-only ablation) shards every sequence instead of running DACP: a micro-batch
 then fits when sum(ceil(S/N)) <= C.
 
@@ -47,13 +62,19 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from scheduling.cost import Clock, CostModel
+from scheduling.cost import Clock, CostModel, SubgroupClock
 from scheduling.dacp import check_fits, dacp_assign
+from scheduling.dacp_degrees import assign_degrees, is_two_level, micro_batch_floor, resolve_cp_degrees
 from scheduling.dacp_state import SequenceTable
-from scheduling.plans import DacpPlan, SchedulingError, StepPlan
-from scheduling.simulate import micro_batch_time
+from scheduling.plans import DacpPlan, SchedulingError, StepPlan, SubgroupShards
+from scheduling.simulate import alone_floor, micro_batch_time
 
 EXECUTIONS = ("dacp", "static")
+MIXED_GAP = 1 + 5e-3
+"""Step 5 leaves a micro-batch two-level when that plan models within this factor of the micro-batch's lower
+bound: the per-sequence-degree placement could gain < 0.5% there (measured on LMsysChat1M-like batches,
+where every micro-batch sits within 0.12% of it and the mixed placement gained <= 0.01%), and skipping it
+keeps the planner's latency (docs/benchmarks.md)."""
 EXTRA_COUNTS = 2
 """How many common micro-batch counts above the first fit GDS tries (kept when modeled faster)."""
 
@@ -74,15 +95,20 @@ def lpt_bins(flops: Sequence[float], num_bins: int, table: SequenceTable | None 
 
 class _Trial:
     """One planned micro-batch (a DACP placement or all sharded) and its modeled time, before any DacpPlan
-    is built: GDS plans many micro-batches it discards."""
+    is built: GDS plans many micro-batches it discards. `partial`: (degree, group, indices) entries of a
+    placement with per-sequence CP degrees (scheduling.dacp_degrees), empty in two-level ones."""
 
-    __slots__ = ("distributed", "local", "time")
+    __slots__ = ("distributed", "local", "partial", "time")
 
-    def __init__(self, local: Sequence[Sequence[int]], distributed: Sequence[int], time: float) -> None:
-        self.local, self.distributed, self.time = local, distributed, time
+    def __init__(self, local: Sequence[Sequence[int]], distributed: Sequence[int], time: float,
+                 partial: Sequence[tuple[int, int, Sequence[int]]] = ()) -> None:
+        self.local, self.distributed, self.time, self.partial = local, distributed, time, partial
 
     def plan(self) -> DacpPlan:
-        return DacpPlan(local=tuple(tuple(rank) for rank in self.local), distributed=tuple(self.distributed))
+        partial = tuple(SubgroupShards(degree=d, group=g, indices=tuple(members))
+                        for d, g, members in self.partial)
+        return DacpPlan(local=tuple(tuple(rank) for rank in self.local), distributed=tuple(self.distributed),
+                        partial=partial)
 
 
 class _RankSplitter:
@@ -90,12 +116,15 @@ class _RankSplitter:
 
     def __init__(self, bin_: list[int], lengths: Sequence[int], flops: Sequence[float], *, cp_size: int,
                  bucket_size: int, placement: str, execution: str, cost: CostModel | None,
-                 table: SequenceTable, clock: Clock) -> None:
+                 table: SequenceTable, clock: Clock, degrees: Sequence[int] = (),
+                 subgroups: SubgroupClock | None = None) -> None:
         self.bin = sorted(bin_, key=table.length_rank.__getitem__)  # ascending (S, index)
         self.lengths, self.flops, self.table, self.clock = lengths, flops, table, clock
         self.cp_size, self.bucket_size = cp_size, bucket_size
         self.placement, self.execution, self.cost = placement, execution, cost
         self._groups: dict[tuple[int, ...], _Trial | None] = {}
+        # per-sequence CP degrees (step 5, after the split): with a cost model and degrees beyond (1, N)
+        self.degrees, self.subgroups = degrees, subgroups if cost is not None else None
         self._splits: dict[int, list[_Trial] | None] = {}
 
     def first_count(self) -> int:
@@ -177,6 +206,26 @@ class _RankSplitter:
             return static
         return placed
 
+    def _mixed(self, members: list[int], two_level: _Trial) -> _Trial:
+        """Step 5 for one micro-batch: the per-sequence-degree placement when it models strictly faster
+        than the two-level one (kept on ties; not planned when the two-level one is within MIXED_GAP of
+        the micro-batch's lower bound, or keeps everything whole with no dominant sequence)."""
+        assert self.subgroups is not None
+        if not two_level.distributed:
+            flops = self.table.flops
+            heaviest = flops[min(members, key=self.table.weight_rank.__getitem__)]
+            if heaviest * self.cp_size <= sum(map(flops.__getitem__, members)):
+                return two_level  # all whole, none dominant: nothing a ring would help balance
+        if two_level.time <= micro_batch_floor(members, self.table, self.subgroups, self.degrees) * MIXED_GAP:
+            return two_level  # nothing (or almost nothing: < MIXED_GAP) left to gain
+        best: _Trial = two_level
+        for fewest_ranks in (False, True):  # the greedy, and each sequence on the fewest ranks it fits
+            mixed = assign_degrees(members, self.table, cp_size=self.cp_size, bucket_size=self.bucket_size,
+                                   degrees=self.degrees, clock=self.subgroups, fewest_ranks=fewest_ranks)
+            if mixed is not None and mixed.time < best.time:
+                best = _Trial(mixed.local, mixed.distributed, mixed.time, mixed.partial)
+        return best
+
     def _trial(self, local: Sequence[Sequence[int]], distributed: Sequence[int]) -> _Trial:
         """A micro-batch with its modeled time (0 without a cost model, which never compares times)."""
         if self.cost is None:
@@ -203,22 +252,24 @@ class _RankSplitter:
 
 def plan_gds(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
              placement: str = "greedy", execution: str = "dacp", refine: bool = True,
-             bins: list[list[int]] | None = None, labels: Sequence[int] | None = None) -> StepPlan:
+             bins: list[list[int]] | None = None, labels: Sequence[int] | None = None,
+             cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     """Plan one global batch: LPT over DP ranks, strided micro-batches, DACP per micro-batch.
 
     `refine` applies scheduling.refine to every DACP placement (refine=False: the paper's Algorithm 1).
     `bins` replaces step 1 with a given DP split (the DACP-only ablation passes the data-order split).
     `labels`: label tokens per sequence (the model cost formula's LM head; None: every token).
+    `cp_degrees`: scheduling.cp_degrees (None or [1, N]: today's two-level DACP; step 5).
     """
     return plan_gds_timed(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
                           placement=placement, execution=execution, refine=refine, bins=bins,
-                          labels=labels)[0]
+                          labels=labels, cp_degrees=cp_degrees)[0]
 
 
 def plan_gds_timed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
                    cost: CostModel, placement: str = "greedy", execution: str = "dacp", refine: bool = True,
-                   bins: list[list[int]] | None = None,
-                   labels: Sequence[int] | None = None) -> tuple[StepPlan, float | None]:
+                   bins: list[list[int]] | None = None, labels: Sequence[int] | None = None,
+                   cp_degrees: str | Sequence[int] | None = None) -> tuple[StepPlan, float | None]:
     """plan_gds, and the plan's modeled step time: simulate(plan).step_s, summed the same way from the
     micro-batch times GDS already has (None with refine=False, which models no time)."""
     if dp_size < 1:
@@ -231,9 +282,14 @@ def plan_gds_timed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket
     if bins is None:
         bins = lpt_bins(flops, dp_size, table)
     clock = cost.clock(cp_size, dp_size * cp_size)
+    degrees = resolve_cp_degrees(cp_degrees, cp_size)
+    mixed = execution == "dacp" and refine and not is_two_level(degrees, cp_size)
     splitters = [_RankSplitter(b, lengths, flops, cp_size=cp_size, bucket_size=bucket_size,
                                placement=placement, execution=execution, cost=cost if refine else None,
-                               table=table, clock=clock) for b in bins]
+                               table=table, clock=clock, degrees=degrees if mixed else (),
+                               subgroups=(SubgroupClock(cost, cp_size, dp_size * cp_size, dp) if mixed
+                                          else None))
+                 for dp, b in enumerate(bins)]
     results = _equal_counts(splitters, [s.smallest_fit(s.first_count()) for s in splitters])
     if not refine:
         return _step(results), None
@@ -251,10 +307,36 @@ def plan_gds_timed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket
         candidate_time = _step_time(splitters, candidate)
         if candidate_time < best_time * (1 - 1e-9):
             best, best_time = candidate, candidate_time
+    if mixed:
+        best = _critical_degrees(splitters, best)
     return _step(best), _modeled_step(best)
 
 
 Split = tuple[int, list[_Trial]]
+
+
+def _critical_degrees(splitters: list[_RankSplitter], results: list[Split]) -> list[Split]:
+    """Step 5 on the chosen split: DP ranks from the slowest down, every micro-batch placed with
+    per-sequence degrees where that models faster, until the next rank's two-level time cannot set the
+    step any more (it is at most the slowest re-placed rank's)."""
+    totals = [s.split_time(trials) for s, (_, trials) in zip(splitters, results, strict=True)]
+    out = list(results)
+    done: list[float] = []
+    for r in sorted(range(len(results)), key=lambda k: (-totals[k], k)):
+        if done and max(done) >= totals[r]:
+            break
+        count, trials = results[r]
+        placed = []
+        for trial in trials:
+            members = _members(trial)
+            placed.append(splitters[r]._mixed(members, trial) if members else trial)  # empty: as it is
+        out[r] = (count, placed)
+        done.append(splitters[r].split_time(placed))
+    return out
+
+
+def _members(trial: _Trial) -> list[int]:
+    return [i for rank in trial.local for i in rank] + list(trial.distributed)
 
 
 def _equal_counts(splitters: list[_RankSplitter], results: list[Split]) -> list[Split]:
@@ -279,8 +361,7 @@ def _rank_floor(members: list[int], table: SequenceTable, cost: CostModel, cp_si
     ties = [i for i in members if flops[i] == flops[heaviest]]
     longest = ties[0] if len(ties) == 1 else max(ties, key=lens.__getitem__)  # first of the longest
     heaviest = flops[longest]
-    alone = min(cost.t_comp(heaviest), cost.t_comm(cost.kv_bytes(float(lens[longest])), cp_size)
-                + cost.t_comp(heaviest / cp_size))
+    alone = alone_floor(cost, heaviest, cost.kv_bytes(float(lens[longest])), cp_size)
     return max(cost.t_comp(sum(map(flops.__getitem__, members)) / cp_size), alone)
 
 

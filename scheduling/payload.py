@@ -2,8 +2,9 @@
 
 A global batch of K samples is planned once (a `StepPlan` over logical ranks). For every DP rank d and CP
 rank r, the rank's payload carries, per micro-batch, the DACP plan of that micro-batch and the token ids of
-only the sequences rank r needs: its own local sequences (whole) plus every distributed sequence (the worker
-cuts its shards). Sequences local to the other CP ranks are not shipped.
+only the sequences rank r needs: its own local sequences (whole) plus every distributed sequence and every
+sequence of a partial entry (DacpPlan.partial) whose subgroup holds r (the worker cuts its shards).
+Sequences local to the other CP ranks, and those sharded over subgroups without r, are not shipped.
 
     global batch  [s0 s1 s2 s3 s4 s5 s6 s7]            (indices into the batch)
     DP rank 0, micro-batch 0:  local=((s0, s5), (s2,))   distributed=(s7,)
@@ -105,13 +106,19 @@ class RankPayload:
     """The cost model's step time for the whole plan (scheduling/simulate.py); NaN when not modeled."""
     predicted_busy_s: float = math.nan
     """The cost model's busy time of this (dp_rank, cp_rank) over its micro-batches; NaN when not modeled."""
+    subgroup_token_fraction: float = 0.0
+    """Share of the global batch's tokens in sequences sharded over a CP subgroup (a degree 1 < d < N,
+    DacpPlan.partial; docs/design.md §13): how much of the step per-sequence CP degrees moved."""
     flops_at_peak_s: float = math.nan
     """The global batch's model training FLOPs (the cost model's forward FLOPs x train_flops_factor) over the
     hardware profile's peak_flops: seconds one device at peak would take (the workers' mfu); NaN: unknown."""
 
 
 def _sequences_needed(plan: DacpPlan, cp_rank: int) -> tuple[int, ...]:
-    return tuple(plan.local[cp_rank]) + tuple(plan.distributed)
+    """Rank r's local sequences, every distributed one, and every sequence of the partial entries whose
+    subgroup holds r (per-sequence CP degrees: the worker cuts its shard of those too)."""
+    partial = tuple(i for entry in plan.partial_on(cp_rank) for i in entry.indices)
+    return tuple(plan.local[cp_rank]) + tuple(plan.distributed) + partial
 
 
 def build_rank_payloads(
@@ -143,6 +150,8 @@ def build_rank_payloads(
             "data.too_long and data.truncate_side (truncation can cut every answer away)"
         )
     tokens = sum(sample.num_tokens for sample in samples)
+    subgroup_tokens = sum(samples[i].num_tokens for per_dp in step_plan.micro_batches for mb in per_dp
+                          for entry in mb.partial for i in entry.indices)
     sample_ids = tuple(
         tuple(samples[i].sample_id for mb in per_dp for i in mb.indices)
         for per_dp in step_plan.micro_batches
@@ -164,7 +173,7 @@ def build_rank_payloads(
                 sample_ids_by_dp_rank=sample_ids, cursor=cursor, plan_ms=plan_ms,
                 predicted_step_s=estimate.total_s if estimate else math.nan,
                 predicted_busy_s=estimate.rank_busy_s[dp_rank][cp_rank] if estimate else math.nan,
-                flops_at_peak_s=flops_at_peak_s,
+                flops_at_peak_s=flops_at_peak_s, subgroup_token_fraction=subgroup_tokens / max(tokens, 1),
             )
     return payloads
 

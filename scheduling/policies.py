@@ -14,9 +14,12 @@
 | dacp_only        | data order, rank r::D | consecutive, packed to C*N tokens    | DACP + refinement     |
 | gds_only         | GDS                   | GDS (fit: sum ceil(S/N) <= C)        | all sharded           |
 | balanced_packed  | LPT by modeled FLOPs  | best-fit decreasing to C per rank    | all sharded           |
+| dynamic_cp       | LPT by S^2            | equal-work buckets by S^2/d, packed  | each sequence at the  |
+|                  |                       | to C per rank (Megatron-style)       | smallest 2^k fitting C|
 
 skrull lives in scheduling.skrull, roundrobin and gds_only are plan_gds options (scheduling.gds),
-balanced_packed (the strongest conventional baseline) is scheduling.balanced_packed, the rest are
+balanced_packed (the strongest conventional baseline) is scheduling.balanced_packed, dynamic_cp
+(Megatron-style per-sequence CP degrees) is scheduling.dynamic_cp, the rest are
 scheduling.baselines. Every registry entry takes plan_step's keywords (the `Policy` signature)
 and ignores those it does not use, so plan_step is one lookup; POLICIES is the registry's names in order.
 """
@@ -30,6 +33,7 @@ from scheduling.balanced_packed import balanced_packed
 from scheduling.baselines import dacp_only, sorted_batching, static_cp, static_cp_packed
 from scheduling.cost import CostModel
 from scheduling.dacp import check_fits
+from scheduling.dynamic_cp import dynamic_cp
 from scheduling.gds import plan_gds
 from scheduling.plans import SchedulingError, StepPlan
 from scheduling.skrull import skrull
@@ -40,7 +44,7 @@ class Policy(Protocol):
 
     def __call__(self, lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
                  cost: CostModel, seed: int, static_cp_micro_batch: int,
-                 labels: Sequence[int] | None) -> StepPlan: ...
+                 labels: Sequence[int] | None, cp_degrees: str | Sequence[int] | None) -> StepPlan: ...
 
 
 # Adapters to the Policy signature. seed only matters to sorted batching (group shuffle) and
@@ -49,56 +53,65 @@ class Policy(Protocol):
 
 def _skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
             seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None) -> StepPlan:
+        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     return skrull(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                  labels=labels)
+                  labels=labels, cp_degrees=cp_degrees)
 
 
 def _static_cp(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
                seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None) -> StepPlan:
+        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     return static_cp(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
                      micro_batch=static_cp_micro_batch)
 
 
 def _static_cp_packed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
                       cost: CostModel, seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None) -> StepPlan:
+        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     return static_cp_packed(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size)
 
 
 def _sorted(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
             seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None) -> StepPlan:
+        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     return sorted_batching(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, seed=seed)
 
 
 def _roundrobin(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
                 cost: CostModel, seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None) -> StepPlan:
+        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     return plan_gds(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
                     placement="roundrobin", refine=False, labels=labels)
 
 
 def _dacp_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
                seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None) -> StepPlan:
+        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     return dacp_only(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
                      labels=labels)
 
 
 def _gds_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
               seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None) -> StepPlan:
+        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     return plan_gds(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
                     execution="static", labels=labels)
 
 
 def _balanced_packed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
                      cost: CostModel, seed: int, static_cp_micro_batch: int,
-                     labels: Sequence[int] | None = None) -> StepPlan:
+                     labels: Sequence[int] | None = None,
+                     cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     return balanced_packed(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
                            labels=labels)
+
+
+def _dynamic_cp(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
+                cost: CostModel, seed: int, static_cp_micro_batch: int,
+                labels: Sequence[int] | None = None,
+                cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
+    return dynamic_cp(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
+                      cp_degrees=cp_degrees)
 
 
 REGISTRY: dict[str, Policy] = {
@@ -110,6 +123,7 @@ REGISTRY: dict[str, Policy] = {
     "dacp_only": _dacp_only,
     "gds_only": _gds_only,
     "balanced_packed": _balanced_packed,
+    "dynamic_cp": _dynamic_cp,
 }
 """Policy name (the value of `scheduling.policy`) -> planning function."""
 
@@ -125,14 +139,19 @@ def check_policy(name: str) -> str:
 
 def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
               cost: CostModel, seed: int = 0, static_cp_micro_batch: int = 1,
-              labels: Sequence[int] | None = None) -> StepPlan:
+              labels: Sequence[int] | None = None,
+              cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     """Plan one global batch with `policy` (one of POLICIES); indices in the plan refer to `lengths`.
 
     `labels`: label tokens per sequence, for the model cost formula's LM head (None: every token).
+    `cp_degrees`: scheduling.cp_degrees, the CP degrees skrull's DACP may give a sequence (None: [1, N],
+    today's two-level DACP; "auto": every power of two; docs/design.md §13) and dynamic_cp's degree set
+    (None: every power of two); the other policies shard over the whole CP group.
     """
     planner = REGISTRY[check_policy(policy)]
     if dp_size < 1:
         raise SchedulingError(f"DP size must be >= 1 (parallel.num_workers / parallel.cp_size): {dp_size}")
     check_fits(lengths, cp_size, bucket_size)
     return planner(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                   seed=seed, static_cp_micro_batch=static_cp_micro_batch, labels=labels)
+                   seed=seed, static_cp_micro_batch=static_cp_micro_batch, labels=labels,
+                   cp_degrees=cp_degrees)

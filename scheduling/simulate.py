@@ -26,6 +26,30 @@ T_comm is non-decreasing in the volume; all terms are >= 0):
   rank j: Time_j >= T_comp(Local_j) + b >= T_comp(F*) + b. Distributed: V_mu >= V*, Dist_mu >= F*/N, so
   Time_j >= T_comm(V*, N) + T_comp(F*/N) + b. Either way step >= the min of the two. F and V grow with S,
   so the longest sequence gives the largest such bound.
+Per-sequence CP degrees (docs/design.md §13): a micro-batch may also hold partial entries, sequences
+sharded over an aligned subgroup of d ranks (1 < d < N). Rank j then runs the ring of every subgroup that
+holds it (the whole group's, and one per entry on j), summed (they share j's links), and its sharded work:
+
+    Time_j = overlapped(sum of j's rings, T_comp(Local_j)) + T_comp(Sharded_j) + b,
+             Sharded_j = sum_dist F/N + sum over j's entries of F/d
+
+(mixed_placement_times; with no partial entry it is the formula above, computed by the same code). Both
+bounds stay lower bounds, with the longest sequence's term taken over every allowed degree:
+
+    feasible_bound = max(bound, min_d [T_comp(F*) if d = 1, ring_floor(V*, d) + T_comp(F*/d) otherwise] + b)
+
+- perfect balance: overlapped(c, l) >= l, so Time_j >= T_comp(Local_j) + T_comp(Sharded_j) + b; a
+  degree-d sequence puts F/d on each of d ranks, so sum_j (Local_j + Sharded_j) is still the micro-batch's
+  FLOPs and the mean over j gives the same inequality as before.
+- longest sequence at degree d > 1 on rank j of its subgroup: overlapped(c, l) >= c >= its own ring (the
+  sum holds it, rings are >= 0 and non-decreasing in the volume, V_entry >= V*), and Sharded_j >= F*/d,
+  so Time_j >= ring(V*, d) + T_comp(F*/d) + b >= ring_floor(V*, d) + T_comp(F*/d) + b, ring_floor being
+  the cheaper of the intra- and inter-node rings of d ranks (scheduling.cost.ring_lower_bound; degree N
+  keeps t_comm(V*, N) exactly, so [1, N] gives the bound above unchanged). Local (d = 1): as before. The
+  step is at least the min over the allowed degrees.
+`simulate` allows 1, N, every degree the plan uses and `cp_degrees` (plan_report passes the config's, so
+every policy of one report gets the same bound).
+
 bound_ratio = step / bound (what the issue asks for; >= 1) also counts what no plan can avoid when one
 sequence outweighs a DP group's fair share; bound_ratio_feasible = step / feasible_bound does not.
 
@@ -41,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from scheduling.cost import Clock, CostModel
+from scheduling.cost import Clock, CostModel, SubgroupClock, ring_lower_bound
 from scheduling.plans import DacpPlan, StepPlan
 
 
@@ -83,10 +107,12 @@ class StepEstimate:
 
 
 def rank_times(plan: DacpPlan, lengths: Sequence[int], flops: Sequence[float],
-               cost: CostModel, *, world: int = 1) -> list[float]:
-    """Time_j of every CP rank j of one micro-batch; `world` = DP x CP ranks (sizes b)."""
-    kv = {i: cost.kv_bytes(float(lengths[i])) for i in plan.distributed}
-    return placement_times(plan.local, plan.distributed, flops, kv, cost.clock(plan.cp_size, world))
+               cost: CostModel, *, world: int = 1, cp_group: int = 0) -> list[float]:
+    """Time_j of every CP rank j of one micro-batch; `world` = DP x CP ranks (sizes b), `cp_group` the DP
+    rank whose CP group runs it (which node boundaries its subgroups cross)."""
+    sharded = list(plan.distributed) + [i for e in plan.partial for i in e.indices]
+    kv = {i: cost.kv_bytes(float(lengths[i])) for i in sharded}
+    return plan_times(plan, flops, kv, SubgroupClock(cost, plan.cp_size, world, cp_group))
 
 
 def placement_times(local: Sequence[Sequence[int]], distributed: Sequence[int], flops: Sequence[float],
@@ -102,6 +128,44 @@ def placement_times(local: Sequence[Sequence[int]], distributed: Sequence[int], 
         return [overlapped(comm, comp(0)) + tail] * len(local)
     flops_of = flops.__getitem__
     return [overlapped(comm, comp(sum(map(flops_of, rank)))) + tail for rank in local]
+
+
+Partial = Sequence[tuple[int, int, Sequence[int]]]
+"""A micro-batch's partial entries as (degree, group, indices) triples (DacpPlan.partial, unwrapped)."""
+
+
+def mixed_placement_times(local: Sequence[Sequence[int]], distributed: Sequence[int], partial: Partial,
+                          flops: Sequence[float], kv: Any, clock: SubgroupClock) -> list[float]:
+    """Time_j of every CP rank of a micro-batch with per-sequence CP degrees (module docstring, design §13).
+
+    Rank j runs the rings of every subgroup holding it (the whole group's for `distributed`, one per
+    partial entry on j) on its own links, so its ring time is their sum; the rings of subgroups that do
+    not hold j cost j nothing (they run concurrently with j's work). With an empty `partial` this is
+    placement_times, bit for bit (it is called instead)."""
+    base = clock.base
+    if not partial:
+        return placement_times(local, distributed, flops, kv, base)
+    n = clock.cp_size
+    comm = [base.comm(sum(map(kv.__getitem__, distributed)))] * n
+    shard = [sum(map(flops.__getitem__, distributed)) / n] * n
+    for degree, group, indices in partial:
+        ring = clock.ring(degree, group, sum(map(kv.__getitem__, indices)))
+        work = sum(map(flops.__getitem__, indices)) / degree
+        for r in range(group * degree, (group + 1) * degree):
+            comm[r] += ring
+            shard[r] += work
+    comp, overlapped, overhead = base.comp, base.overlapped, base.overhead
+    flops_of = flops.__getitem__
+    return [overlapped(comm[j], comp(sum(map(flops_of, local[j])))) + (comp(shard[j]) + overhead)
+            for j in range(n)]
+
+
+def plan_times(plan: DacpPlan, flops: Sequence[float], kv: Any, clock: SubgroupClock) -> list[float]:
+    """Time_j of every CP rank of one DacpPlan (two-level or with partial entries)."""
+    if not plan.partial:
+        return placement_times(plan.local, plan.distributed, flops, kv, clock.base)
+    partial = [(e.degree, e.group, e.indices) for e in plan.partial]
+    return mixed_placement_times(plan.local, plan.distributed, partial, flops, kv, clock)
 
 
 def micro_batch_time(local: Sequence[Sequence[int]], distributed: Sequence[int], flops: Sequence[float],
@@ -124,12 +188,26 @@ def perfect_balance_bound(flops: Sequence[float], cost: CostModel, world: int) -
     return cost.t_comp(sum(flops) / world) + cost.micro_batch_overhead_s(world)
 
 
+def alone_floor(cost: CostModel, flops: float, volume: float, cp_size: int,
+                cp_degrees: Sequence[int] | None = None) -> float:
+    """The fastest one sequence (F FLOPs, V K/V bytes) can run in any micro-batch, without b:
+    min over its possible degrees d of T_comp(F) (d = 1) or ring_floor(V, d) + T_comp(F/d) (module
+    docstring). `cp_degrees` None is (1, N): exactly the two-level bound."""
+    alone = min(cost.t_comp(flops), cost.t_comm(volume, cp_size) + cost.t_comp(flops / cp_size))
+    for degree in cp_degrees or ():
+        if 1 < degree < cp_size:
+            alone = min(alone, ring_lower_bound(cost, volume, degree, cp_size) + cost.t_comp(flops / degree))
+    return alone
+
+
 def lower_bounds(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_size: int,
-                 labels: Sequence[int] | None = None) -> tuple[float, float]:
+                 labels: Sequence[int] | None = None,
+                 cp_degrees: Sequence[int] | None = None) -> tuple[float, float]:
     """(perfect-balance bound, feasible bound) of any plan of `lengths` (see the module docstring).
 
     The "longest" sequence of the proof is the one with the most FLOPs (with label counts, a slightly
     shorter sequence can outweigh the longest one; every step of the proof holds for it as well).
+    `cp_degrees`: the CP degrees plans may use (None: 1 and N, the two-level bound, unchanged).
     """
     world = dp_size * cp_size
     overhead = cost.micro_batch_overhead_s(world)
@@ -139,35 +217,41 @@ def lower_bounds(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_si
         return bound, bound
     heaviest = heaviest_sequence(all_flops, lengths)
     flops = all_flops[heaviest]
-    alone = min(cost.t_comp(flops), cost.t_comm(cost.kv_bytes(float(lengths[heaviest])), cp_size)
-                + cost.t_comp(flops / cp_size)) + overhead
+    alone = alone_floor(cost, flops, cost.kv_bytes(float(lengths[heaviest])), cp_size, cp_degrees) + overhead
     return bound, max(bound, alone)
 
 
 def simulate(step: StepPlan, lengths: Sequence[int], cost: CostModel,
-             labels: Sequence[int] | None = None) -> StepEstimate:
+             labels: Sequence[int] | None = None, cp_degrees: Sequence[int] | None = None) -> StepEstimate:
     """Model one step; `lengths` (and `labels`, label tokens per sequence) is the global batch the plan's
-    indices refer to."""
+    indices refer to. `cp_degrees`: the degrees the feasible bound allows (None: 1, N and every degree
+    the plan uses, so the bound holds for this plan)."""
     flops = cost.sequence_flops(lengths, labels)
     world = step.dp_size * step.cp_size
     clock = cost.clock(step.cp_size, world)
     kv = cost.kv_bytes(np.asarray(lengths, dtype=np.float64)).tolist()  # elementwise: kv_bytes(float(S))
+    used = {e.degree for rank in step.micro_batches for mb in rank for e in mb.partial}
     dp_times, busy = [], []
     worst_total = mean_total = 0.0
-    for rank in step.micro_batches:
+    for dp, rank in enumerate(step.micro_batches):
         per_cp = [0.0] * step.cp_size
         total = 0.0
+        sclock = SubgroupClock(cost, step.cp_size, world, dp) if used else None
         for mb in rank:
-            times = placement_times(mb.local, mb.distributed, flops, kv, clock)
+            times = (plan_times(mb, flops, kv, sclock) if sclock is not None and mb.partial
+                     else placement_times(mb.local, mb.distributed, flops, kv, clock))
             total += max(times)
             worst_total += max(times)
             mean_total += sum(times) / len(times)
             per_cp = [a + b for a, b in zip(per_cp, times, strict=True)]
         dp_times.append(total)
         busy.append(tuple(per_cp))
-    bound, feasible = lower_bounds(lengths, cost, dp_size=step.dp_size, cp_size=step.cp_size, labels=labels)
+    degrees = sorted(used) if cp_degrees is None else sorted(set(cp_degrees) | used)
+    bound, feasible = lower_bounds(lengths, cost, dp_size=step.dp_size, cp_size=step.cp_size, labels=labels,
+                                   cp_degrees=degrees)
     tokens = sum(int(s) for s in lengths)
-    distributed = sum(int(lengths[i]) for r in step.micro_batches for mb in r for i in mb.distributed)
+    distributed = sum(int(lengths[i]) for r in step.micro_batches for mb in r
+                      for i in (*mb.distributed, *(j for e in mb.partial for j in e.indices)))
     return StepEstimate(
         step_s=max(dp_times), bound_s=bound, feasible_bound_s=feasible, dp_rank_s=tuple(dp_times),
         rank_busy_s=tuple(busy),

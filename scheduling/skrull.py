@@ -23,12 +23,16 @@ from scheduling.simulate import heaviest_sequence, perfect_balance_bound
 
 
 def skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-           cost: CostModel, labels: Sequence[int] | None = None) -> StepPlan:
-    """GDS + DACP (+ refinement), or the GDS-only plan when the cost model says that one is faster."""
+           cost: CostModel, labels: Sequence[int] | None = None,
+           cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
+    """GDS + DACP (+ refinement), or the GDS-only plan when the cost model says that one is faster.
+
+    `cp_degrees` (scheduling.cp_degrees; None: [1, N]) reaches DACP only: the GDS-only fallback shards
+    over the whole CP group as before."""
     shape = {"dp_size": dp_size, "cp_size": cp_size, "bucket_size": bucket_size, "cost": cost,
              "labels": labels}
     # plan_gds_timed's step time is simulate(plan).step_s, from the micro-batch times GDS compared
-    plan, step_s = plan_gds_timed(lengths, **shape)
+    plan, step_s = plan_gds_timed(lengths, cp_degrees=cp_degrees, **shape)
     assert step_s is not None  # refine=True: GDS modeled every micro-batch
     if step_s <= all_sharded_floor(lengths, cost, dp_size=dp_size, cp_size=cp_size, labels=labels):
         return plan  # no all-sharded plan can be faster: skip planning one

@@ -1,9 +1,19 @@
 """`bench train`: every policy trains the same global batches in one worker group, interleaved.
 
 The smoke test runs the real command (`python -m app bench train --json --plot`) on the tiny CPU config with
-the benchmark's small vocabulary (so no LM head of 152k words dominates), 8 sequences of ~45 tokens a step,
-1 warm-up + 2 counted steps of five policies: one Ray session, ~65 s on 2 cores (Ray, Ray Data, the worker
-group and 5 engines per worker start once; the steps themselves take ~0.2 s).
+the benchmark's small vocabulary (so no LM head of 152k words dominates), 8 sequences a step, 1 warm-up + 2
+counted steps of six policies, at DP=1 x CP=4 (four workers): one Ray session (Ray, Ray Data, the worker
+group and 6 engines per worker start once; the steps themselves take well under a second).
+
+It is also the end-to-end test of per-sequence CP degrees (docs/design.md §13): skrull plans with
+`scheduling.cp_degrees: auto`, and with BucketSize 128 and LMSYS-like lengths up to 512 some sequences
+go to a 2-rank subgroup, so the workers build the subgroup process groups and run those rings beside the
+4-rank one and the local attention. Every policy trains the same samples from the same weights, so the
+losses must agree to fp32 summation order (1e-4 relative) with static_cp's, which shards every sequence
+over all four ranks. The hardware profile is the committed CPU one with a slower link, written by the
+test: with the real one the planner picks a subgroup on only about 1 global batch in 3 of this data, and
+the test must see one on the steps it trains. A profile changes which plan is chosen, never what a plan
+computes.
 """
 
 from __future__ import annotations
@@ -14,25 +24,40 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from app.__main__ import main
 from app.commands.bench_train import BASELINES, format_report, plot_bench, summarize
 from app.run_files import jsonable
 
 REPO = Path(__file__).resolve().parent.parent
-POLICIES = ("skrull", "balanced_packed", "static_cp_packed", "static_cp", "sorted")
+POLICIES = ("skrull", "balanced_packed", "static_cp_packed", "static_cp", "sorted", "dynamic_cp")
 PUBLIC_KEYS = {"step_s_median", "tokens_per_s", "predicted_step_s", "prediction_error",
                "speedup_vs_balanced_packed",
                "speedup_vs_static_cp_packed", "speedup_vs_static_cp", "speedup_vs_sorted",
-               "planner_wait_s_median"}
+               "speedup_vs_dynamic_cp", "planner_wait_s_median"}
 TINY = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--set", "data.num_samples=24",
         "--set", "data.length_scale=0.1", "--set", "scheduling.global_batch_size=8",
         "--set", f"data.tokenizer={REPO / 'configs/bench/synth-bpe-773.json'}"]
+CP4_MIXED = ["--set", "data.length_scale=0.25", "--set", "parallel.num_workers=4",
+             "--set", "parallel.cp_size=4", "--set", "scheduling.bucket_size=128",
+             "--set", "data.max_length=512", "--set", "scheduling.cp_degrees=auto",
+             "--set", "resources.cpus_per_worker=0.25"]
+
+
+def _slow_link_profile(tmp_path: Path) -> Path:
+    """configs/hardware/cpu.yaml with a 2 MB/s link: rings cost enough that fewer ranks pay off."""
+    profile = yaml.safe_load((REPO / "configs/hardware/cpu.yaml").read_text())
+    profile["intra_node_bandwidth"] = 2.0e6
+    path = tmp_path / "slow-link.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return path
 
 
 def test_bench_train_json_smoke(local_ray, tmp_path: Path, capsys) -> None:
     plot = tmp_path / "bench.png"
-    argv = ["bench", "train", *TINY, "--set", f"run.storage_path={tmp_path / 'runs'}",
+    argv = ["bench", "train", *TINY, *CP4_MIXED, "--set", f"hardware.profile={_slow_link_profile(tmp_path)}",
+            "--set", f"run.storage_path={tmp_path / 'runs'}",
             "--policies", ",".join(POLICIES), "--steps", "2", "--json", "--plot", str(plot)]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -55,6 +80,12 @@ def test_bench_train_json_smoke(local_ray, tmp_path: Path, capsys) -> None:
     # ... and scheduling never changes a step's math: fp32 losses agree up to summation order.
     for steps in per_step[1:]:
         assert steps["loss"] == pytest.approx(per_step[0]["loss"], rel=1e-4)
+    assert result["loss_max_rel_diff"] <= 1e-4
+    # DP=1 x CP=4, and skrull's plans sharded some sequences over a 2-rank subgroup on the counted steps
+    # (static_cp's never do): the mixed-degree runtime trained the same losses as the others
+    assert (result["dp_size"], result["cp_size"]) == (1, 4)
+    assert max(rows["skrull"]["per_step"]["subgroup_token_fraction"]) > 0, rows["skrull"]["per_step"]
+    assert rows["static_cp"]["per_step"]["subgroup_token_fraction"] == [0.0, 0.0]
     assert plot.stat().st_size > 0
     assert (Path(result["run_dir"]) / "bench_train.json").exists()
 

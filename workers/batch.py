@@ -10,6 +10,15 @@ For CP rank r of N, a plan with local[r] = (a, b) and distributed = (d,), S_d = 
     targets: the HF labels shifted left by one on the WHOLE sequence before it is cut (d2's target is
     d3's label, held by rank 1), -100 on every sequence's last token and on pads.
 
+Per-sequence CP degrees (docs/design.md §13): after the distributed shards come, for each entry of
+`plan.partial_on(r)` in plan order (degree descending), the rank's zigzag shards of that entry's sequences
+over its aligned subgroup of d ranks [g*d, (g+1)*d), with j = r - g*d the rank's index inside it:
+a sequence is padded to a multiple of 2d, cut into 2d chunks, and rank j holds chunks j and 2d-1-j.
+With N = 4, a degree-2 entry of group 1 holding e (S_e = 7, padded 8, c = 2):
+
+    rank 2:  [ ...locals... | ...distributed shards... | e0 e1 | e6 P ]      (j = 0: chunks 0 and 3)
+    rank 3:  [ ...locals... | ...distributed shards... | e2 e3 | e4 e5 ]     (j = 1: chunks 1 and 2)
+
 `seq_index` / `position_ids` are the inverse mapping: stream token t is token position_ids[t] of the
 caller's sequence seq_index[t] (-1 for pads); tests use it to scatter results back.
 
@@ -29,15 +38,24 @@ import torch
 
 from scheduling.payload import IGNORE_INDEX
 from workers.attention.index import DacpIndex
-from workers.attention.layout import DacpLayout
+from workers.attention.layout import DacpLayout, RingPart
 from workers.transfer import to_device
 
 
 class PlanLike(Protocol):
-    """What batch assembly needs of a plan (scheduling.DacpPlan satisfies it)."""
+    """What batch assembly needs of a plan (scheduling.DacpPlan satisfies it; a plan without `partial_on`
+    has no subgroup-sharded sequences)."""
 
     local: tuple[tuple[int, ...], ...]
     distributed: tuple[int, ...]
+
+
+class SubgroupLike(Protocol):
+    """One entry of a plan's `partial_on(cp_rank)` (scheduling.SubgroupShards satisfies it)."""
+
+    degree: int
+    group: int
+    indices: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,7 +92,8 @@ class RankBatch:
 
 
 def padded_length(length: int, cp_size: int) -> int:
-    """A distributed sequence is padded to a multiple of 2N (at least 2N: one token per chunk)."""
+    """A sequence sharded over `cp_size` ranks (N for a distributed one, d for a subgroup's) is padded to a
+    multiple of 2 * cp_size (at least that: one token per chunk)."""
     chunks = 2 * cp_size
     return max(chunks, -(-length // chunks) * chunks)
 
@@ -97,7 +116,8 @@ def _sequence(input_ids: Sequence, labels: Sequence, index: int) -> tuple[np.nda
 
 
 def _shard(index: int, ids: np.ndarray, lab: np.ndarray, cp_rank: int, cp_size: int) -> tuple[list, int]:
-    """Rank cp_rank's two zigzag chunks of one distributed sequence, as 4 column arrays."""
+    """Ring rank cp_rank's two zigzag chunks of one sequence sharded over cp_size ranks, as 4 column arrays
+    (for a subgroup: its index inside the subgroup and the subgroup's degree)."""
     padded = padded_length(ids.size, cp_size)
     chunk = padded // (2 * cp_size)
     full_ids = np.zeros(padded, dtype=np.int64)
@@ -115,14 +135,14 @@ def _shard(index: int, ids: np.ndarray, lab: np.ndarray, cp_rank: int, cp_size: 
 def build_rank_batch(
     plan: PlanLike, input_ids: Sequence, labels: Sequence, *, cp_rank: int, cp_size: int
 ) -> RankBatch:
-    """This CP rank's stream: its local sequences whole, then its zigzag shards of the distributed ones."""
+    """This CP rank's stream: its local sequences whole, its zigzag shards of the distributed ones, then
+    of each subgroup entry that holds it (module docstring)."""
     if len(plan.local) != cp_size:
         raise ValueError(f"plan has {len(plan.local)} CP ranks but cp_size={cp_size} (parallel.cp_size)")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} outside [0, {cp_size})")
-    if getattr(plan, "partial", ()):  # per-sequence CP degrees (docs/design.md §13): no runtime for them yet
-        raise ValueError("this plan shards sequences over CP subgroups (scheduling.cp_degrees between 1 and "
-                         "parallel.cp_size), which the workers cannot run yet")
+    partial_on = getattr(plan, "partial_on", None)
+    entries: tuple[SubgroupLike, ...] = partial_on(cp_rank) if partial_on is not None else ()
     columns: list[list[np.ndarray]] = [[], [], [], []]
     local_lens, chunk_lens = [], []
     for index in plan.local[cp_rank]:
@@ -138,10 +158,23 @@ def build_rank_batch(
         for col, part in zip(columns, parts, strict=True):
             col.append(part)
         chunk_lens.append(chunk)
+    partial = []
+    for entry in entries:
+        if not 1 < entry.degree < cp_size or cp_size % entry.degree:
+            raise ValueError(f"plan shards over {entry.degree} of {cp_size} CP ranks: not a CP subgroup")
+        sub_rank, entry_chunks = cp_rank - entry.group * entry.degree, []
+        for index in entry.indices:
+            ids, lab = _sequence(input_ids, labels, index)
+            parts, chunk = _shard(index, ids, lab, sub_rank, entry.degree)
+            for col, part in zip(columns, parts, strict=True):
+                col.append(part)
+            entry_chunks.append(chunk)
+        partial.append(RingPart(degree=entry.degree, chunk_lens=tuple(entry_chunks)))
     ids_T, pos_T, tgt_T, seq_T = (
         torch.from_numpy(np.concatenate(c)) if c else torch.zeros(0, dtype=torch.long) for c in columns
     )
-    layout = DacpLayout(cp_size=cp_size, local_lens=tuple(local_lens), dist_chunk_lens=tuple(chunk_lens))
+    layout = DacpLayout(cp_size=cp_size, local_lens=tuple(local_lens), dist_chunk_lens=tuple(chunk_lens),
+                        partial=tuple(partial))
     label_rows = torch.from_numpy(np.flatnonzero(tgt_T.numpy() != IGNORE_INDEX).astype(np.int64))
     return RankBatch(input_ids=ids_T, position_ids=pos_T, targets=tgt_T, seq_index=seq_T, layout=layout,
                      label_rows=label_rows, num_label_tokens=int(label_rows.shape[0]))

@@ -82,6 +82,8 @@ class WorkerSettings:
     eval_every: int = 0
     """train.eval_every: the eval loss after every this many steps and after the last (0: never)."""
     nonfinite: NonFinitePolicy = NonFinitePolicy()
+    cp_degrees: tuple[int, ...] | None = None
+    """scheduling.cp_degrees, resolved: the CP subgroups the worker builds (docs/design.md §13); None: all."""
     """train.nonfinite and train.max_skipped_steps (workers/nonfinite.py)."""
     lr_schedule: LrSchedule = LrSchedule()
     """train.lr_scheduler, warmup and min_lr_ratio over total_steps (workers/lr_schedule.py)."""
@@ -175,7 +177,8 @@ def parallel_groups(settings: WorkerSettings, device: Any) -> ParallelGroups:
     """This worker's DP x CP groups with the run's collective timeout (collective: every rank alike)."""
     return ParallelGroups.create(settings.cp_size, device=device,
                                  attention_backend=settings.model.attention_backend,
-                                 timeout=timedelta(seconds=settings.collective_timeout_s))
+                                 timeout=timedelta(seconds=settings.collective_timeout_s),
+                                 degrees=settings.cp_degrees)
 
 
 def zero_groups(settings: WorkerSettings) -> ZeroGroups:

@@ -4,8 +4,9 @@ this project against TRL's SFTTrainer (`bench peer`, app/commands/bench_peer.py)
 
 `bench planner` times GDS + DACP (the skrull policy) on one global batch of synthetic LMsysChat1M-like
 lengths for (sequences, ranks) = (64, 8), (256, 32), (1024, 128), (4096, 1024), with CP = 8 (so DP =
-ranks / 8) and Qwen2.5-0.5B's cost model with BucketSize 26000. Each repeat plans a fresh batch (new
-seed), so the percentiles cover the data's variety, not one lucky batch.
+ranks / 8) and Qwen2.5-0.5B's cost model with BucketSize 26000, every CP degree enabled
+(scheduling.cp_degrees=auto, docs/design.md §13; `--two-level` plans with [1, N], the paper's DACP). Each
+repeat plans a fresh batch (new seed), so the percentiles cover the data's variety, not one lucky batch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     planner = sub.add_parser("planner", help="planning latency of GDS + DACP for one global batch")
     planner.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     planner.add_argument("--repeats", type=int, default=50, help="global batches planned per case")
+    planner.add_argument("--two-level", action="store_true",
+                         help="plan with cp_degrees [1, N] (the paper's DACP) instead of every power of two")
     planner.set_defaults(_bench=_run_planner)
     compute = sub.add_parser("compute", help="micro-batch compute time on one device, fitted to the profile")
     bench_compute.add_arguments(compute)  # stdlib-only at import: torch loads when it runs
@@ -43,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peer.set_defaults(_bench=bench_peer.run)
 
 
-def planner_latency(sequences: int, ranks: int, repeats: int) -> dict[str, float]:
-    """Median / p99 wall milliseconds of plan_step('skrull', ...) over `repeats` fresh batches."""
+def planner_latency(sequences: int, ranks: int, repeats: int, two_level: bool = False) -> dict[str, float]:
+    """Median / p99 wall milliseconds of plan_step('skrull', ...) over `repeats` fresh batches, with every
+    CP degree (or [1, N] with `two_level`)."""
     import numpy as np
 
     from scheduling import CostModel, plan_step, sample_lengths
@@ -56,7 +60,7 @@ def planner_latency(sequences: int, ranks: int, repeats: int) -> dict[str, float
         lengths = np.minimum(sample_lengths("lmsys", sequences, seed), limit)
         start = time.perf_counter()
         plan_step("skrull", lengths, dp_size=ranks // CP_SIZE, cp_size=CP_SIZE, bucket_size=BUCKET_SIZE,
-                  cost=cost)
+                  cost=cost, cp_degrees=[1, CP_SIZE] if two_level else "auto")
         times.append((time.perf_counter() - start) * 1e3)
     return {"sequences": sequences, "ranks": ranks, "dp_size": ranks // CP_SIZE, "cp_size": CP_SIZE,
             "plan_ms_median": float(np.median(times)), "plan_ms_p99": float(np.percentile(times, 99))}
@@ -65,12 +69,13 @@ def planner_latency(sequences: int, ranks: int, repeats: int) -> dict[str, float
 def _run_planner(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
-    rows = [planner_latency(s, r, args.repeats) for s, r in CASES]
+    rows = [planner_latency(s, r, args.repeats, args.two_level) for s, r in CASES]
     if args.json:
         print(json.dumps({"planner": rows}))
         return 0
+    degrees = f"[1, {CP_SIZE}]" if args.two_level else "auto"
     print(f"planner latency, skrull policy (GDS + DACP), CP={CP_SIZE}, BucketSize={BUCKET_SIZE}, "
-          f"{args.repeats} batches per case")
+          f"cp_degrees={degrees}, {args.repeats} batches per case")
     print(f"{'sequences':>9}  {'ranks':>5}  {'DPxCP':>7}  {'median ms':>9}  {'p99 ms':>8}")
     for row in rows:
         shape = f"{row['dp_size']}x{row['cp_size']}"

@@ -1,4 +1,5 @@
-"""`python -m app plan`: a dry run of every scheduling policy on sampled global batches (modeled times)."""
+"""`python -m app plan`: a dry run of every scheduling policy on sampled global batches (modeled times), and
+the configured CP degrees (scheduling.cp_degrees) against [1, N] and dynamic_cp."""
 
 from __future__ import annotations
 
@@ -18,18 +19,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.hardware import cost_model
     from app.model_support import check_model_support
-    from app.plan_report import format_table, plan_dry_run, plot_ranks
+    from app.plan_report import degree_line, format_table, plan_dry_run, plot_ranks
 
     config = config_from_args(args)
     check_model_support(config)  # a model the DACP attention cannot run, a vocabulary it cannot embed: exit 2
     cost = cost_model(config)
-    runs, summary, too_long, read = plan_dry_run(config, cost)
+    runs, summary, too_long, read, degrees = plan_dry_run(config, cost)
     if args.plot:
         plot_ranks(runs, args.plot)
     if args.json:
         # "policies" first and unchanged: scripts read it; "too_long" says what data.too_long changed,
-        # "data" what the rows read were (by row format, malformed by reason)
-        print(json.dumps({"policies": summary, "too_long": too_long.as_json(), "data": read}))
+        # "data" what the rows read were (by row format, malformed by reason), "cp_degrees" the configured
+        # CP degrees against [1, N] and dynamic_cp (app/plan_report.py degree_summary)
+        print(json.dumps({"policies": summary, "too_long": too_long.as_json(), "data": read,
+                          "cp_degrees": degrees}))
         return 0
     par, sched = config.parallel, config.scheduling
     batches = len(runs["skrull"].estimates)
@@ -41,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     if too_long.line():
         print(too_long.line())
     print(format_table(summary))
+    print(degree_line(degrees))
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0

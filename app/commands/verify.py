@@ -5,6 +5,10 @@ needs 2 GPUs; `--backend gloo` runs every rank on CPU on any host), runs the mod
 stream, sums loss and every parameter gradient over the ranks, and compares with the model's own
 single-process forward/backward (transformers' "sdpa" attention, one sequence at a time, loss = summed
 CE / label tokens). Exit code 1 when a difference exceeds the tolerance.
+
+`--degrees 1,2,4` checks per-sequence CP degrees (docs/design.md §13): one micro-batch whose sequences are
+local (1), sharded over aligned subgroups of d ranks (1 < d < cp) and over all ranks (cp), at once
+(workers/tools/parity.py: plan_with_degrees).
 """
 
 from __future__ import annotations
@@ -30,8 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default=None,
                         help="comma-separated sequence lengths, e.g. 1,7,300,5000 (default: sample "
                              f"{NUM_SAMPLED} from data.distribution scaled by data.length_scale)")
-    parser.add_argument("--distribute", choices=("all", "none", "auto"), default="auto",
+    parser.add_argument("--distribute", choices=("all", "none", "auto"), default=None,
                         help="all: shard every sequence; none: all local; auto: plan with DACP (default)")
+    parser.add_argument("--degrees", default=None,
+                        help="comma-separated CP degrees the micro-batch must use, each dividing --cp, e.g. "
+                             "1,2,4 with --cp 4: 1 = local, d = sharded over an aligned subgroup of d ranks, "
+                             "cp = over all ranks; the longest sequences get the highest degree, each "
+                             "degree at least one sequence (needs as many --lengths); replaces --distribute")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                         help="compute dtype of the sharded run (default: model.dtype)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and tokens")
@@ -55,6 +64,21 @@ def _lengths(args: argparse.Namespace, cfg: SkrullConfig) -> tuple[int, ...]:
 
     raw = sample_lengths(cfg.data.distribution, NUM_SAMPLED, cfg.data.seed)
     return tuple(max(1, round(float(n) * cfg.data.length_scale)) for n in raw)
+
+
+def _degrees(args: argparse.Namespace) -> tuple[int, ...]:
+    """--degrees as a tuple of ints (empty when absent); ConfigError on a malformed value or a clash."""
+    if args.degrees is None:
+        return ()
+    if args.distribute is not None:
+        raise ConfigError("--degrees chooses the plan itself: drop --distribute")
+    try:
+        degrees = tuple(int(x) for x in args.degrees.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--degrees {args.degrees!r}: expected comma-separated integers") from None
+    if not degrees:
+        raise ConfigError("--degrees needs at least one degree")
+    return degrees
 
 
 def _model_kwargs(m: ModelConfig, model: str) -> tuple[tuple[str, int], ...]:
@@ -166,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = _lengths(args, cfg)
     if not lengths or min(lengths) < 1 or args.cp < 1:
         raise ConfigError("--lengths needs at least one length, each >= 1, and --cp must be >= 1")
+    degrees = _degrees(args)
     refuse_unsupported_model(cfg, model, lengths)
     backend = resolve_backend(args.backend, args.cp)
     estimate = _check_memory(args, cfg, model, lengths)
@@ -173,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
         print(estimate, flush=True)
     try:
         spec = ParitySpec(model=model, lengths=lengths, cp_size=args.cp,
-                          distribute=args.distribute, dtype=args.dtype or cfg.model.dtype, seed=args.seed,
-                          model_kwargs=_model_kwargs(cfg.model, model))
+                          distribute=args.distribute or "auto", dtype=args.dtype or cfg.model.dtype,
+                          seed=args.seed, model_kwargs=_model_kwargs(cfg.model, model), degrees=degrees)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     result = run_parity(spec, backend=backend)
@@ -182,9 +207,12 @@ def run(args: argparse.Namespace) -> int:
         keys = ("loss_abs_diff", "grad_max_abs_diff", "grad_max_rel_diff", "tolerance", "ok", "loss",
                 "ref_loss", "plan", "rank_tokens", "hf_own_grad_max_rel_diff")
         print(json.dumps({k: result[k] for k in keys} | {"lengths": list(spec.lengths), "cp": spec.cp_size,
-                                                          "backend": backend, "dtype": spec.dtype}))
+                                                          "backend": backend, "dtype": spec.dtype,
+                                                          "degrees": list(spec.degrees)}))
     else:
+        how = (f"degrees={','.join(map(str, spec.degrees))}" if spec.degrees
+               else f"distribute={spec.distribute}")
         print(f"verify: model={model} cp={spec.cp_size} lengths={list(spec.lengths)} "
-              f"distribute={spec.distribute} dtype={spec.dtype} backend={backend}")
+              f"{how} dtype={spec.dtype} backend={backend}")
         _print_table(result)
     return 0 if result["ok"] else 1

@@ -5,8 +5,10 @@ previous rank (batch_isend_irecv), and returns at once; `wait` blocks until both
 global ranks computed from the group, so no call ever touches the default group. On CUDA the P2P ops
 are issued on a dedicated communication stream, and the compute stream waits for it only in `wait`.
 
-One RingComm exists per CP group and worker: AttentionRuntime.create builds it next to the group
-(workers/attention/runtime.py) and every attention call of that worker reuses it, comm stream included.
+One RingComm exists per ring and worker: the CP group's, and one per aligned CP subgroup the worker is
+in (per-sequence CP degrees). AttentionRuntime.create builds them next to the groups
+(workers/attention/runtime.py) and every attention call of that worker reuses them, comm streams included:
+each ring has its own stream, so the rings of one micro-batch's different subgroups overlap on CUDA too.
 """
 
 from __future__ import annotations

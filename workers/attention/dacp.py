@@ -1,12 +1,16 @@
-"""DACP attention: local sequences by varlen attention, distributed shards by the ring, overlapped.
+"""DACP attention: local sequences by varlen attention, each ring part by its zigzag ring, overlapped.
 
-    stream  [ local part (L tokens) | distributed part (2 * sum c_i tokens) ]
-    forward : post K/V transfer #1 -> local attention (no comm) -> diagonal block -> ring steps
-    backward: post K/V transfer #1 -> local backward            -> diagonal block -> ring steps
+    stream  [ local part (L tokens) | distributed part (degree N) | partial part (degree d) | ... ]
+    forward : post every ring's first K/V transfer -> local attention (no comm) -> round-robin over the
+              rings: diagonal blocks, then ring step j of every ring per round
+    backward: the same, with the local backward and the rings' backward steps
 
-The local and distributed parts share no keys, so the local attention is the work that hides the
-first ring transfer (docs/design.md section 7). `overlap=False` runs the same work serialized (local
-first, then the ring posts its first transfer), which only the benchmark uses as a comparison.
+The local part and the ring parts share no keys, and each ring part runs on its own communicator (the CP
+group, or this rank's aligned subgroup of d ranks: per-sequence CP degrees, docs/design.md §13), so the
+local attention hides the first ring transfers and each ring's compute hides the other rings' transfers
+(workers/attention/ring.py: run_rings); no ring waits for another to finish. `overlap=False` runs the
+same work serialized (local first, then each ring alone, in order), which only the benchmark uses as a
+comparison.
 
 The stream's segments and shard rows come as a DacpIndex (workers/attention/index.py), built once per
 micro-batch and shared by every layer; a plain DacpLayout is indexed here, once for this call.
@@ -18,7 +22,7 @@ import torch
 
 from workers.attention.index import DacpIndex
 from workers.attention.layout import DacpLayout
-from workers.attention.ring import ring_backward, ring_forward
+from workers.attention.ring import ring_backward_steps, ring_forward_steps, run_rings
 from workers.attention.runtime import AttentionRuntime, default_runtime
 
 
@@ -31,58 +35,55 @@ def _check(runtime: AttentionRuntime, index: DacpIndex, q_THD: torch.Tensor) -> 
                          f"{runtime.cp_size} ranks")
     if layout.num_tokens != num_tokens:
         raise ValueError(f"layout describes {layout.num_tokens} tokens but the stream has {num_tokens}")
+    for part in layout.partial:
+        runtime.comm_for(part.degree)  # raises naming the missing subgroup before any transfer is posted
 
 
 class _DacpAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_THD, k_KGD, v_KGD, index, comm, scale, kernel, overlap):
-        layout = index.layout
-        num_local = layout.num_local_tokens
+    def forward(ctx, q_THD, k_KGD, v_KGD, index, runtime, scale, overlap):
+        kernel = runtime.kernel
+        num_local = index.layout.num_local_tokens
+        # Empty ring parts (no distributed sequence) have nothing to exchange: no ring at all.
+        rings = [ring for ring in index.rings if ring.num_tokens]
         parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
         def local() -> None:
             parts["local"] = kernel.forward(q_THD[:num_local], k_KGD[:num_local], v_KGD[:num_local],
                                             index.local, scale=scale)
 
-        has_dist = layout.num_dist_tokens > 0
-        if not (overlap and has_dist):
-            local()
-        if has_dist:
-            d = slice(num_local, None)
-            parts["dist"] = ring_forward(kernel, q_THD[d], k_KGD[d], v_KGD[d], index, comm, scale,
-                                         overlap=local if overlap else None)
-        out_THD = torch.cat([parts["local"][0], *([parts["dist"][0]] if has_dist else [])])
-        lse_HT = torch.cat([parts["local"][1], *([parts["dist"][1]] if has_dist else [])], dim=1)
+        steps = [ring_forward_steps(kernel, q_THD[r.rows], k_KGD[r.rows], v_KGD[r.rows], r,
+                                    runtime.comm_for(r.degree), scale) for r in rings]
+        results = run_rings(steps, local, concurrent=overlap)  # runs local() too, rings or not
+        outs = [parts["local"], *results]
+        out_THD = torch.cat([o for o, _ in outs])
+        lse_HT = torch.cat([lse for _, lse in outs], dim=1)
         ctx.save_for_backward(q_THD, k_KGD, v_KGD, out_THD, lse_HT)
-        ctx.setup = (index, comm, scale, kernel, overlap)
+        ctx.setup = (index, runtime, scale, overlap)
         ctx.mark_non_differentiable(lse_HT)
         return out_THD, lse_HT
 
     @staticmethod
     def backward(ctx, dout_THD, _dlse):
         q_THD, k_KGD, v_KGD, out_THD, lse_HT = ctx.saved_tensors
-        index, comm, scale, kernel, overlap = ctx.setup
-        layout = index.layout
-        num_local = layout.num_local_tokens
+        index, runtime, scale, overlap = ctx.setup
+        kernel = runtime.kernel
+        loc = slice(0, index.layout.num_local_tokens)
         dout_THD = dout_THD.contiguous()
+        rings = [ring for ring in index.rings if ring.num_tokens]
         grads: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        loc = slice(0, num_local)
 
         def local() -> None:
             grads["local"] = kernel.backward(dout_THD[loc], q_THD[loc], k_KGD[loc], v_KGD[loc], out_THD[loc],
                                              lse_HT[:, loc], index.local, scale=scale)
 
-        has_dist = layout.num_dist_tokens > 0
-        if not (overlap and has_dist):
-            local()
-        if has_dist:
-            d = slice(num_local, None)
-            grads["dist"] = ring_backward(kernel, dout_THD[d], q_THD[d], k_KGD[d], v_KGD[d], out_THD[d],
-                                          lse_HT[:, d], index, comm, scale,
-                                          overlap=local if overlap else None)
-        names = ["local", "dist"] if has_dist else ["local"]
-        dq, dk, dv = (torch.cat([grads[n][i] for n in names]) for i in range(3))
-        return dq, dk, dv, None, None, None, None, None
+        steps = [ring_backward_steps(kernel, dout_THD[r.rows], q_THD[r.rows], k_KGD[r.rows], v_KGD[r.rows],
+                                     out_THD[r.rows], lse_HT[:, r.rows], r, runtime.comm_for(r.degree), scale)
+                 for r in rings]
+        results = run_rings(steps, local, concurrent=overlap)  # runs local() too, rings or not
+        parts = [grads["local"], *results]
+        dq, dk, dv = (torch.cat([p[i] for p in parts]) for i in range(3))
+        return dq, dk, dv, None, None, None, None
 
 
 def dacp_attention(
@@ -93,9 +94,9 @@ def dacp_attention(
 
     q [T, H, D]; k, v [T, G, D] with H % G == 0. `layout`: the micro-batch's DacpIndex on q's device
     (what a model's layers share), or a DacpLayout, indexed here for this call alone. `runtime` carries the
-    kernel and the CP group's ring communicator (None: the single-rank "auto" runtime of q's device).
-    Differentiable in q, k, v (lse is not). Every rank of the group must call it with layouts built from the
-    same plan (the distributed part has the same shape on all ranks).
+    kernel and the ring communicators of the CP group and of this rank's CP subgroups (None: the
+    single-rank "auto" runtime of q's device). Differentiable in q, k, v (lse is not). Every rank of a ring
+    must call it with layouts built from the same plan (a ring part has the same shape on all its ranks).
     """
     if runtime is None:
         runtime = default_runtime(q_THD.device)
@@ -108,4 +109,4 @@ def dacp_attention(
     index = layout if isinstance(layout, DacpIndex) else DacpIndex.build(layout, q_THD.device)
     _check(runtime, index, q_THD)
     scale = q_THD.shape[-1] ** -0.5 if scale is None else scale
-    return _DacpAttention.apply(q_THD, k_KGD, v_KGD, index, runtime.comm, scale, runtime.kernel, overlap)
+    return _DacpAttention.apply(q_THD, k_KGD, v_KGD, index, runtime, scale, overlap)

@@ -2,17 +2,19 @@
 
     DacpLayout (host ints) --DacpIndex.build(layout, device)--> DacpIndex
         local   : VarlenBlock(cu_local x cu_local, causal)   the local sequences, whole
-        diag    : VarlenBlock(cu_dist  x cu_dist,  causal)   ring step 0: my shards x my shards
-        kfirst  : VarlenBlock(cu_dist  x cu_chunk)           ring steps whose source rank is lower
-        qsecond : VarlenBlock(cu_chunk x cu_dist)            ring steps whose source rank is higher
-        first, second : int64 rows of the distributed part holding each sequence's first / second chunk
+        rings   : one RingIndex per ring part (the distributed part, then each partial degree):
+          diag    : VarlenBlock(cu x cu,  causal)            ring step 0: my shards x my shards
+          kfirst  : VarlenBlock(cu x cu_chunk)               ring steps whose source rank is lower
+          qsecond : VarlenBlock(cu_chunk x cu)               ring steps whose source rank is higher
+          first, second : int64 rows of the part holding each sequence's first / second chunk
 
-Every cu_seqlens of the micro-batch lives in one int32 host tensor and both row indices in one int64 host
-tensor; each is copied to the device once, pinned and non-blocking on CUDA (workers/transfer.py), and the
-blocks hold views into the copies. Every layer's attention, forward and backward (and the recompute of
-activation checkpointing), reads these same tensors, so no attention call builds a tensor from host data
-or waits for a copy. Max lengths and per-segment spans are Python ints computed here with them: the CUDA
-kernels take max_seqlen as an int, and the CPU kernel runs one op per segment over the spans.
+Every cu_seqlens of the micro-batch (every part) lives in one int32 host tensor and every part's row
+indices in one int64 host tensor; each is copied to the device once, pinned and non-blocking on CUDA
+(workers/transfer.py), and the blocks hold views into the copies. Every layer's attention, forward and
+backward (and the recompute of activation checkpointing), reads these same tensors, so no attention call
+builds a tensor from host data or waits for a copy. Max lengths and per-segment spans are Python ints
+computed here with them: the CUDA kernels take max_seqlen as an int, and the CPU kernel runs one op per
+segment over the spans.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.attention.layout import DacpLayout
+from workers.attention.layout import DacpLayout, RingPart
 from workers.transfer import to_device
 
 Span = tuple[int, int, int, int]
@@ -81,14 +83,41 @@ class VarlenBlock:
         return cls.of(cu_q, cu_k, q_dev, k_dev, causal=causal)
 
 
-def _half_rows(layout: DacpLayout) -> np.ndarray:
-    """Rows of the distributed part holding each sequence's first chunk, then those of its second."""
-    starts, chunks = layout.cu_dist[:-1], layout.dist_chunk_lens
+def _half_rows(part: RingPart) -> np.ndarray:
+    """Rows of a ring part (relative to its start) holding each sequence's first chunk, then its second."""
+    starts, chunks = part.cu[:-1], part.chunk_lens
     if not chunks:
         return np.zeros(0, dtype=np.int64)
     first = [np.arange(s, s + c, dtype=np.int64) for s, c in zip(starts, chunks, strict=True)]
     second = [np.arange(s + c, s + 2 * c, dtype=np.int64) for s, c in zip(starts, chunks, strict=True)]
     return np.concatenate(first + second)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RingIndex:
+    """One ring part's device-side index: the three kinds of ring block and the zigzag chunk rows."""
+
+    degree: int
+    """The ranks of its ring (its RingPart's degree)."""
+    start: int
+    """First stream row of the part."""
+    stop: int
+    """One past its last stream row."""
+    diag: VarlenBlock
+    kfirst: VarlenBlock
+    qsecond: VarlenBlock
+    first: torch.Tensor
+    """[sum c_i] int64 rows of the part (relative to its start): every sequence's first chunk."""
+    second: torch.Tensor
+    """[sum c_i] int64 rows of the part: every sequence's second chunk."""
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.stop)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.stop - self.start
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -98,28 +127,59 @@ class DacpIndex:
     layout: DacpLayout
     device: torch.device
     local: VarlenBlock
-    diag: VarlenBlock
-    kfirst: VarlenBlock
-    qsecond: VarlenBlock
-    first: torch.Tensor
-    """[sum c_i] int64 rows of the distributed part: every sequence's first chunk."""
-    second: torch.Tensor
-    """[sum c_i] int64 rows of the distributed part: every sequence's second chunk."""
+    rings: tuple[RingIndex, ...]
+    """One per layout.rings: the distributed part first (always present, maybe empty), then the partial."""
+
+    @property
+    def dist(self) -> RingIndex:
+        """The distributed part's (degree N) index."""
+        return self.rings[0]
+
+    # The distributed part's blocks under their names from before per-sequence degrees existed.
+    @property
+    def diag(self) -> VarlenBlock:
+        return self.dist.diag
+
+    @property
+    def kfirst(self) -> VarlenBlock:
+        return self.dist.kfirst
+
+    @property
+    def qsecond(self) -> VarlenBlock:
+        return self.dist.qsecond
+
+    @property
+    def first(self) -> torch.Tensor:
+        return self.dist.first
+
+    @property
+    def second(self) -> torch.Tensor:
+        return self.dist.second
 
     @classmethod
     def build(cls, layout: DacpLayout, device: torch.device | str) -> DacpIndex:
-        """Two host tensors (int32 bounds, int64 rows), two copies to `device`; the rest are views."""
-        bounds = (layout.cu_local, layout.cu_dist, layout.cu_chunk)
+        """Two host tensors (int32 bounds of every block of every part, int64 chunk rows of every ring
+        part), two copies to `device`; every block and row tensor is a view into them."""
+        parts = layout.rings
+        bounds = [layout.cu_local] + [cu for part in parts for cu in (part.cu, part.cu_chunk)]
         flat = torch.tensor([x for cu in bounds for x in cu], dtype=torch.int32)
-        local_t, dist_t, chunk_t = torch.split(to_device(flat, device), [len(cu) for cu in bounds])
-        rows = to_device(torch.from_numpy(_half_rows(layout)), device)
-        first, second = torch.split(rows, [rows.shape[0] // 2] * 2)
-        cu_local, cu_dist, cu_chunk = bounds
-        return cls(
-            layout=layout, device=local_t.device,
-            local=VarlenBlock.of(cu_local, cu_local, local_t, local_t, causal=True),
-            diag=VarlenBlock.of(cu_dist, cu_dist, dist_t, dist_t, causal=True),
-            kfirst=VarlenBlock.of(cu_dist, cu_chunk, dist_t, chunk_t, causal=False),
-            qsecond=VarlenBlock.of(cu_chunk, cu_dist, chunk_t, dist_t, causal=False),
-            first=first, second=second,
-        )
+        bounds_dev = torch.split(to_device(flat, device), [len(cu) for cu in bounds])
+        halves = [_half_rows(part) for part in parts]
+        rows = to_device(torch.from_numpy(np.concatenate(halves)), device)
+        row_views = torch.split(rows, [n // 2 for h in halves for n in (h.size, h.size)])
+        local_t = bounds_dev[0]
+        rings, start = [], layout.num_local_tokens
+        for i, part in enumerate(parts):
+            cu, cu_chunk = part.cu, part.cu_chunk
+            cu_t, chunk_t = bounds_dev[1 + 2 * i], bounds_dev[2 + 2 * i]
+            rings.append(RingIndex(
+                degree=part.degree, start=start, stop=start + part.num_tokens,
+                diag=VarlenBlock.of(cu, cu, cu_t, cu_t, causal=True),
+                kfirst=VarlenBlock.of(cu, cu_chunk, cu_t, chunk_t, causal=False),
+                qsecond=VarlenBlock.of(cu_chunk, cu, chunk_t, cu_t, causal=False),
+                first=row_views[2 * i], second=row_views[2 * i + 1],
+            ))
+            start += part.num_tokens
+        return cls(layout=layout, device=local_t.device,
+                   local=VarlenBlock.of(layout.cu_local, layout.cu_local, local_t, local_t, causal=True),
+                   rings=tuple(rings))

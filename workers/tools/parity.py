@@ -8,6 +8,11 @@
     compare: sum over ranks vs reference; loss abs diff, per-parameter max |a - b| and
     max |a - b| / max |b| (relative to the largest reference entry of that tensor: robust to zeros).
 `run_parities` checks several models over one spawn of the N ranks (each rank runs them in turn).
+
+Per-sequence CP degrees (docs/design.md §13): `degrees=(1, 2, 4)` (verify --degrees) replaces the DACP plan
+by one that uses exactly those degrees (`plan_with_degrees`), so one micro-batch holds local sequences,
+sequences sharded over aligned CP subgroups and over the whole group; each rank builds its CP group and
+subgroups once with ParallelGroups.create, as a training worker does.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class ParitySpec:
     dtype: str = "fp32"
     seed: int = 0
     model_kwargs: tuple[tuple[str, Any], ...] = ()
+    degrees: tuple[int, ...] = ()
+    """CP degrees the plan must use (plan_with_degrees); empty: the plan `distribute` asks for."""
 
     def __post_init__(self) -> None:
         if self.distribute not in ("all", "none", "auto"):
@@ -52,6 +59,57 @@ class ParitySpec:
             raise ValueError("--lengths needs at least one length, each >= 1")
         if self.cp_size < 1:
             raise ValueError("--cp must be >= 1")
+        if self.degrees:
+            check_degrees(self.degrees, self.cp_size, len(self.lengths))
+
+
+def check_degrees(degrees: tuple[int, ...], cp_size: int, num_sequences: int) -> None:
+    """ValueError naming --degrees unless every degree is 1, cp_size or a divisor of it in between, none
+    repeats, and there are enough sequences to give each degree one."""
+    bad = [d for d in degrees if d < 1 or d > cp_size or cp_size % d]
+    if bad or len(set(degrees)) != len(degrees):
+        raise ValueError(f"--degrees {','.join(map(str, degrees))}: each must divide --cp {cp_size} "
+                         f"(1 = local, {cp_size} = sharded over all ranks), without repeats")
+    if num_sequences < len(degrees):
+        raise ValueError(f"--degrees asks for {len(degrees)} degrees but --lengths gives {num_sequences} "
+                         "sequences: at least one sequence per degree")
+
+
+def plan_with_degrees(lengths: tuple[int, ...], cp_size: int, degrees: tuple[int, ...]) -> Any:
+    """A DacpPlan using exactly `degrees` (each at least once), the longest sequences on the most ranks.
+
+    The sequences, longest first, are cut into len(degrees) runs of near-equal count (earlier runs one
+    longer), the k-th run going to the k-th largest degree; each sequence then goes to the least-loaded
+    place of its degree (tokens per rank so far): a rank for degree 1, an aligned subgroup
+    [g*d, (g+1)*d) for 1 < d < N, the whole CP group for N. A check of the runtime, not a planner: it
+    ignores BucketSize and the cost model.
+    """
+    from scheduling import DacpPlan, SubgroupShards, shard_tokens
+
+    check_degrees(degrees, cp_size, len(lengths))
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    runs = np.array_split(np.array(order, dtype=np.int64), len(degrees))
+    load = [0] * cp_size
+    local: list[list[int]] = [[] for _ in range(cp_size)]
+    distributed: list[int] = []
+    groups: dict[tuple[int, int], list[int]] = {}
+    for degree, run in zip(sorted(degrees, reverse=True), runs, strict=True):
+        for i in map(int, run):
+            shard = shard_tokens(lengths[i], degree)
+            if degree == cp_size > 1:
+                distributed.append(i)
+                load = [x + shard for x in load]
+                continue
+            g = min(range(cp_size // degree), key=lambda g: (max(load[g * degree:(g + 1) * degree]), g))
+            for r in range(g * degree, (g + 1) * degree):
+                load[r] += shard
+            if degree == 1:
+                local[g].append(i)
+            else:
+                groups.setdefault((degree, g), []).append(i)
+    partial = tuple(SubgroupShards(degree=d, group=g, indices=tuple(groups[(d, g)]))
+                    for d, g in sorted(groups, key=lambda key: (-key[0], key[1])))
+    return DacpPlan(local=tuple(map(tuple, local)), distributed=tuple(distributed), partial=partial)
 
 
 def make_plan(lengths: tuple[int, ...], cp_size: int, distribute: str, model) -> Any:
@@ -99,22 +157,37 @@ def _build(spec: ParitySpec, attn: str | None = None):
                        **dict(spec.model_kwargs))
 
 
-def _rank(rank: int, world: int, spec: ParitySpec, weights: str, plan, ids, labels, total: int) -> dict:
+def _rank_device():
+    """The process group's backend decides, not what the host has: gloo ranks stay on CPU on a GPU host
+    (tests, `verify --backend gloo`); NCCL ranks use the GPU launch.py gave each of them."""
     import torch
     import torch.distributed as dist
 
-    from workers.attention import AttentionRuntime
+    nccl = dist.get_backend() == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+
+def _runtime(world: int):
+    """This rank's attention runtime over a CP group of all `world` ranks and its aligned subgroups
+    (collective: every rank calls it alike), as a training worker builds it."""
+    from workers.distributed import ParallelGroups
+
+    return ParallelGroups.create(world, device=_rank_device()).attention
+
+
+def _rank(rank: int, world: int, spec: ParitySpec, weights: str, plan, ids, labels, total: int,
+          runtime=None) -> dict:
+    """One rank's loss share and parameter gradients; `runtime`: the rank's AttentionRuntime (None: build
+    one here, collectively)."""
+    import torch
+
     from workers.batch import build_rank_batch
     from workers.forward import micro_batch_loss_sum
 
-    # The process group's backend decides, not what the host has: gloo ranks stay on CPU on a GPU host
-    # (tests, `verify --backend gloo`); NCCL ranks use the GPU launch.py gave each of them.
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = _rank_device()
     model = _build(spec).to(device)
     model.load_state_dict(torch.load(weights, weights_only=True))
-    group = dist.new_group(list(range(world)))
-    runtime = AttentionRuntime.create(group, device)  # once per rank, as a training worker does
+    runtime = runtime or _runtime(world)
     batch = build_rank_batch(plan, ids, labels, cp_rank=rank, cp_size=world)
     loss = micro_batch_loss_sum(model, batch, runtime=runtime) / total
     loss.backward()
@@ -191,8 +264,9 @@ def run_parities(specs: list[ParitySpec], backend: str | None = None) -> list[di
 
 
 def _rank_each(rank: int, world: int, jobs: list[tuple]) -> list[dict]:
-    """_rank for every job in turn, on this one process."""
-    return [_rank(rank, world, *job) for job in jobs]
+    """_rank for every job in turn, on this one process, with one attention runtime (groups built once)."""
+    runtime = _runtime(world)
+    return [_rank(rank, world, *job, runtime=runtime) for job in jobs]
 
 
 def _prepare(spec: ParitySpec, weights: str) -> _Case:
@@ -202,7 +276,10 @@ def _prepare(spec: ParitySpec, weights: str) -> _Case:
     model = _build(spec)
     _randomize_lora_b(model, spec.seed)
     ids, labels = make_tokens(spec, model.config.vocab_size)
-    plan = make_plan(spec.lengths, spec.cp_size, spec.distribute, model)
+    if spec.degrees:
+        plan = plan_with_degrees(spec.lengths, spec.cp_size, spec.degrees)
+    else:
+        plan = make_plan(spec.lengths, spec.cp_size, spec.distribute, model)
     total = sum(sum(1 for t in lab[1:] if t != IGNORE_INDEX) for lab in labels)
     torch.save(model.state_dict(), weights)
     return _Case(spec, weights, plan, ids, labels, total, sum(p.requires_grad for p in model.parameters()))
