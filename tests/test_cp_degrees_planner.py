@@ -104,6 +104,22 @@ def test_chatqa2_like_batch_gains_from_intermediate_degrees():
     assert step_s == pytest.approx(simulate(plan, lengths, COST).step_s, rel=1e-12)
 
 
+def test_the_fewest_ranks_pass_finds_what_the_one_at_a_time_greedy_misses():
+    # Two sequences of ~1.6 C on CP=4 with a slow link: placed alone, each models faster over all four
+    # ranks (a quarter of the compute each), so the greedy shards both over the whole group; each on its
+    # own pair of ranks does the same compute per rank over a 1-step ring instead of a 3-step one.
+    from app.hardware import cost_model
+
+    tiny = cost_model(load_config("tiny-cpu.yaml", ["parallel.num_workers=4", "parallel.cp_size=4"]))
+    slow = dataclasses.replace(tiny, profile=dataclasses.replace(tiny.profile, intra_node_bandwidth=2e6))
+    lengths, shape = [400, 400], {"dp_size": 1, "cp_size": 4, "bucket_size": 256, "cost": slow}
+    two = plan_step("skrull", lengths, cp_degrees=[1, 4], **shape)
+    mixed = plan_step("skrull", lengths, cp_degrees="auto", **shape)
+    (mb,) = mixed.micro_batches[0]
+    assert mb.distributed == () and [(e.degree, e.group) for e in mb.partial] == [(2, 0), (2, 1)]
+    assert simulate(mixed, lengths, slow).step_s < simulate(two, lengths, slow).step_s
+
+
 def test_mixed_cost_model_charges_each_ring_on_its_subgroup():
     profile = HardwareProfile(gpus_per_node=2, ring_overlap=1.0)
     cost = CostModel.from_model_dims(hidden_size=256, kv_hidden_size=64, num_layers=4, profile=profile)
