@@ -128,12 +128,6 @@ class FaultInjector(threading.Thread):
         self.recovered_after_s.append(time.monotonic() - started)
 
 
-def _alive_actors(class_name: str) -> list:
-    from ray.util.state import list_actors
-
-    return list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])
-
-
 def _train_worker_pids() -> list[int]:
     """Live Ray Train worker processes, found by their process title (`ray::RayTrainWorker...`): read
     from /proc at once, where Ray's state API may lag behind a group that was just torn down."""
@@ -156,11 +150,23 @@ def _signal_a_worker(sig: int, earlier_groups: set[int]) -> Callable[[], None]:
 
 
 def _kill_the_planner(run_name: str) -> Callable[[], None]:
-    """ray.kill the planner of run `run_name` (named skrull-planner-<run>-<hex>); Ray restarts it."""
+    """ray.kill the planner of run `run_name` (named skrull-planner-<run>-<hex>); Ray restarts it.
+
+    The train workers are frozen (SIGSTOP) from before the lookup until the kill returns: a worker that
+    fetched its last plan before the kill never notices it. On a busy 2-core CI machine the lookup through
+    Ray's state API once took longer than the two steps left, and the run ended without a restart.
+    """
     def kill() -> None:
         prefix = f"skrull-planner-{run_name}-"
-        (planner,) = [a for a in _alive_actors("PlannerActor") if a.name.startswith(prefix)]
-        ray.kill(ray.get_actor(planner.name), no_restart=False)
+        workers = _train_worker_pids()
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            (name,) = [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
+            ray.kill(ray.get_actor(name), no_restart=False)
+        finally:
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
     return kill
 
 
