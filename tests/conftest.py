@@ -45,6 +45,11 @@ os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "2")
 # worker died: 2-5 s of idle wait at the end of every run and after every fault. Measured on a 3-step tiny
 # run: 33.7 s -> 27.6 s at 0.25 s (2026-11-25). A poll is one cheap actor call per worker.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# DeepSpeed's ZeRO optimizer imports its Muon module on every engine build (even for AdamW), whose
+# `@torch.compile` decorators import TorchInductor's compiler config: ~1.5 s of CPU per train worker
+# process (measured in isolation, 2026-11-26). Nothing here compiles: the product never calls
+# torch.compile and never calls those decorated Muon functions, so dynamo off changes no computation.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 RAY_FIXTURES = frozenset({"local_ray", "suite_ray", "tiny_run"})
 """Fixtures that start Ray: a test using one (directly or through another fixture) is `slow`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -130,3 +131,34 @@ def test_missing_path_and_no_usable_rows(local_ray, tmp_path) -> None:
 def _ref(rows: list[dict]) -> tuple[list[np.ndarray], list[str]]:
     out = tokenize_rows(rows, load_tokenizer("qwen"), TemplateSettings())
     return out.input_ids, out.status
+
+
+def _footer_readers_of(dataset) -> int:
+    """The footer-reader pool size the read's ListFiles operator carries (Ray Data reads its knob when the
+    read is built and ships the indexer with the plan)."""
+    op = dataset._logical_plan.dag
+    while op.input_dependencies:
+        op = op.input_dependencies[0]
+    return op.file_indexer._num_actors
+
+
+def test_a_parquet_read_starts_one_footer_reader_per_ten_files(local_ray, tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """Ray Data's default pool is 32 actors whatever the file count; the run's read asks for what its
+    files can keep busy, leaves the environment as it found it, and a user's own setting wins."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from app.data.pipeline import FOOTER_ACTORS_KNOB, read_parquet
+
+    files = []
+    for i in range(23):
+        files.append(str(tmp_path / f"part-{i:02d}.parquet"))
+        pq.write_table(pa.table({"x": [i]}), files[-1])
+    monkeypatch.delenv(FOOTER_ACTORS_KNOB, raising=False)
+    assert _footer_readers_of(read_parquet(tuple(files[:1]), None)) == 1
+    assert _footer_readers_of(read_parquet(tuple(files), None)) == 3
+    assert FOOTER_ACTORS_KNOB not in os.environ
+    monkeypatch.setenv(FOOTER_ACTORS_KNOB, "7")
+    assert _footer_readers_of(read_parquet(tuple(files), None)) == 7
+    assert read_parquet(tuple(files), None).count() == 23
