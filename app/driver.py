@@ -125,7 +125,11 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[b
     if previous:
         ray.init(address=previous, log_to_driver=worker_logs)
     else:
-        start_local_ray(config.resources.num_cpus or (os.cpu_count() or 1) + 2, log_to_driver=worker_logs)
+        from app.preflight import check_embedded_cpus
+
+        num_cpus = config.resources.num_cpus or (os.cpu_count() or 1) + 2
+        check_embedded_cpus(config, num_cpus)
+        start_local_ray(num_cpus, log_to_driver=worker_logs)
     if sigterm is _raise_terminated and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, sigterm)  # ray.init replaced it (sigterm_stops_like_ctrl_c)
     try:

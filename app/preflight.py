@@ -393,6 +393,13 @@ def check_cluster_fits(config: SkrullConfig, cluster: dict[str, Any], *, embedde
            f"If none comes, lower {knobs}"
 
 
+def check_embedded_cpus(config: SkrullConfig, num_cpus: float) -> None:
+    """check_cluster_fits for an embedded Ray of `num_cpus` logical CPUs, before it starts (~10 s saved on
+    a run that cannot fit). Only CPUs are known then: GPUs and custom resources are checked once Ray is up."""
+    cluster = required_resources(config) | {"CPU": num_cpus}
+    check_cluster_fits(config, cluster, embedded=True)
+
+
 def check_epoch_fits(config: SkrullConfig, usable_rows: int) -> None:
     """One global batch must not repeat samples: it may hold at most one epoch's usable rows."""
     size = config.scheduling.global_batch_size

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,9 +83,12 @@ def test_verify_asks_for_force_beyond_this_machines_memory(capsys) -> None:
 
 @pytest.mark.slow
 def test_more_cpus_than_the_machine_has_fails_fast(tmp_path: Path) -> None:
-    """resources.cpus_per_worker=4 on an embedded Ray of 4 logical CPUs: one error, not a retry loop."""
+    """resources.cpus_per_worker=4 on an embedded Ray of 4 logical CPUs: one error, not a retry loop, and
+    before that Ray starts (its size is known from the config)."""
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
+    ray_tmp = Path(tempfile.mkdtemp(prefix="ray"))  # short: Ray's socket paths live below it
+    env["RAY_TMPDIR"] = str(ray_tmp)  # where a Ray that started would leave its session directory
     command = [sys.executable, "-m", "app", *_train_args(tmp_path, "resources.cpus_per_worker=4",
                                                           "resources.num_cpus=4")]
     started = time.monotonic()
@@ -92,6 +97,8 @@ def test_more_cpus_than_the_machine_has_fails_fast(tmp_path: Path) -> None:
     assert time.monotonic() - started < 120
     assert "resources.cpus_per_worker" in result.stderr and "parallel.num_workers" in result.stderr
     assert not (tmp_path / "bad").exists()
+    assert not list(ray_tmp.rglob("session_*")), "a Ray was started before the error"
+    shutil.rmtree(ray_tmp)
 
 
 @pytest.mark.slow
