@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from scheduling import CostModel, DacpPlan, StepPlan, plan_step
 from scheduling.payload import IGNORE_INDEX, Cursor, Sample, build_rank_payloads
@@ -82,7 +81,8 @@ def _reference_grads() -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, cases: dict) -> None:
+def _worker(rank: int, world: int, out_dir: str, cases: dict) -> None:
+    """One rank (workers/tools/launch.py run_workers: the gloo world group is up)."""
     import torch.distributed as dist
 
     from scheduling.payload import spare_payload
@@ -92,9 +92,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, cases: dict) -> None
     from workers.step import run_step
 
     deepspeed = import_deepspeed()  # as a train worker imports it
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # as Ray Train sets them
     samples = _samples()
     for name, (dp, cp, plan, recompute) in cases.items():
         groups = ParallelGroups.create(cp)
@@ -114,16 +112,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, cases: dict) -> None
             grads = {n: (before[n] - p.detach()) / LR for n, p in engine.module.named_parameters()}
             torch.save(grads, Path(out_dir, f"{name}.pt"))
         dist.barrier()
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def distributed_grads(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from workers.tools.launch import free_port
+    from workers.tools.launch import run_workers
 
     out_dir = tmp_path_factory.mktemp("step")
-    mp.spawn(_worker, args=(2, free_port(), str(out_dir), CASES), nprocs=2, join=True)
-    mp.spawn(_worker, args=(3, free_port(), str(out_dir), SPARE_CASES), nprocs=3, join=True)
+    run_workers(_worker, 2, args=(str(out_dir), CASES), backend="gloo")
+    run_workers(_worker, 3, args=(str(out_dir), SPARE_CASES), backend="gloo")
     return out_dir
 
 
