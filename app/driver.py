@@ -143,7 +143,7 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[b
 def start_local_ray(num_cpus: float, *, log_to_driver: bool) -> str:
     """Start an embedded Ray on loopback whose address every process of it knows; returns the address.
 
-    The GCS port is chosen up front so that the address can go into the job's environment: Ray Train's
+    The GCS port is chosen up front so that the address can go into its processes' environment: Ray Train's
     detached placement-group cleaner (and anything else calling Ray's state API from inside the cluster)
     resolves "the" cluster from RAY_ADDRESS, and without it picks the newest Ray on the machine, which may
     be someone's `ray start` cluster. The caller owns os.environ["RAY_ADDRESS"], set here for the driver.
@@ -156,7 +156,7 @@ def start_local_ray(num_cpus: float, *, log_to_driver: bool) -> str:
     `resolve_ip_for_localhost`) unless Ray's ENABLE_RAY_CLUSTER is off, which Ray reads once, at import,
     from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER: both are switched off while ray.init starts the node (the
     processes it starts inherit the variable), then put back. The workers' torch.distributed store and
-    gloo sockets: workers/loopback.py, and GLOO_SOCKET_IFNAME (the loopback interface) in the job's
+    gloo sockets: workers/loopback.py, and GLOO_SOCKET_IFNAME (the loopback interface) in its processes'
     environment.
     """
     import ray
@@ -166,19 +166,22 @@ def start_local_ray(num_cpus: float, *, log_to_driver: bool) -> str:
 
     port = free_port()
     address = f"127.0.0.1:{port}"
+    # The environment of every process of this Ray: the raylet inherits it from here and hands it to each
+    # worker it starts. Not a job runtime_env: with one, the raylet starts every worker process of the
+    # job through Ray's setup_worker.py, one more interpreter start each (~0.5 CPU-s).
     job_env = {"RAY_ADDRESS": address, "GLOO_SOCKET_IFNAME": loopback_interface(),
                # Ray Train's preemption watcher (an actor per worker group) waits for a node to be drained:
                # one machine has no other node to move to, and the actor costs ~3 CPU-s per group start.
                "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
     # RAY_GCS_SERVER_PORT: read by ray.init when it starts the head node.
-    startup_env = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    startup_env = {"RAY_GCS_SERVER_PORT": str(port), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"} | job_env
     saved = {key: os.environ.get(key) for key in startup_env}
     cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
     os.environ.update(startup_env)
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
         ray.init(address="local", num_cpus=num_cpus, log_to_driver=log_to_driver,
-                 _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1", runtime_env={"env_vars": job_env})
+                 _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1")
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
         for key, value in saved.items():

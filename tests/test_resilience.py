@@ -1,7 +1,7 @@
 """Survive the cluster, on an embedded Ray (CPU, gloo): resume on another worker count, a killed worker, a
 killed planner, Ctrl-C on the driver.
 
-Every run trains the same 6 global batches (8 short chats from a file of 40, visited in a new
+Every run trains the same 8 global batches (8 short chats from a file of 40, visited in a new
 seeded order each epoch: data.shuffle; DP=2 x CP=1, random-init tiny Qwen2, fp32) as one uninterrupted
 reference run, so each interrupted run must reproduce the reference's batches and losses: fp32 summation
 order differs between DP sizes and restarts (~1e-7 relative per step), which Adam's normalized updates keep
@@ -35,7 +35,7 @@ from app.report import run_report  # noqa: E402
 from tests.driver_process import Stopped, start_driver, stop_driver  # noqa: E402
 from tests.run_configs import SMALL_VOCAB, scheduled_lrs, shuffled_chats, shuffled_step_ids  # noqa: E402
 
-NUM_SAMPLES, BATCH, STEPS = 40, 8, 6
+NUM_SAMPLES, BATCH, STEPS = 40, 8, 8
 WARMUP, LR = 3, 0.003  # LR: configs/tiny-cpu.yaml's
 """Every run here warms its learning rate up over 3 steps, so a start after step 1 or 2 (a resume on
 another worker count, a restart) that put the schedule anywhere but at its step shows in the next `lr`
@@ -74,7 +74,7 @@ def _assert_samples_exact(run_dir: str | Path, steps: int) -> None:
     for line in lines:
         by_epoch.setdefault(line["epoch"], []).extend(line["sample_ids"])
     assert sum(len(ids) for ids in by_epoch.values()) == steps * BATCH
-    assert sorted(by_epoch[0]) == list(range(NUM_SAMPLES))  # 6 x 8 = 48: all of epoch 0, 8 of epoch 1
+    assert sorted(by_epoch[0]) == list(range(NUM_SAMPLES))  # 8 x 8 = 64: all of epoch 0, 24 of epoch 1
     for ids in by_epoch.values():
         assert len(ids) == len(set(ids))
 
@@ -87,44 +87,46 @@ def _trained_step(run_dir: Path) -> int:
         return 0  # not written yet, or caught mid-rewrite
 
 
-def _inode(path: Path) -> int:
+def _group_starts(run_dir: Path) -> int:
+    """Worker group starts the driver has recorded (worker_starts.jsonl, app/run_files.py)."""
     try:
-        return path.stat().st_ino
+        return len((run_dir / "worker_starts.jsonl").read_text().splitlines())
     except OSError:
-        return -1
+        return 0
 
 
 class FaultInjector(threading.Thread):
     """Runs each (step, action) once the run has trained that step, in order.
 
-    After the first action it also waits for the restarted worker group: its world rank 0 rewrites
-    samples.jsonl (a new file, os.replace) before training, so lines of the group that failed can never
-    trigger the next fault.
+    After each action it waits for the next worker group's start, which the driver appends to
+    worker_starts.jsonl (app/run_files.py), so that the next fault reaches the restarted group. A line the
+    failed group wrote past its newest checkpoint could still trigger the next fault before the restarted
+    group cuts it (workers/checkpoints.py cut_samples): the faults here are two steps apart, and a failed
+    group records at most the step after its fault.
     """
 
     def __init__(self, run_dir: Path, faults: list[tuple[int, Callable[[], None]]]) -> None:
         super().__init__(daemon=True)
         self.run_dir, self.faults, self.done, self.errors = run_dir, faults, [], []
         self.recovered_after_s: list[float] = []
-        """Seconds from each fault to the restarted group's rewrite of samples.jsonl."""
+        """Seconds from each fault to the next worker group's start."""
 
     def run(self) -> None:
-        samples, previous = self.run_dir / "samples.jsonl", None
         for step, action in self.faults:
-            while _inode(samples) == previous or _trained_step(self.run_dir) < step:
-                time.sleep(0.2)
-            previous = _inode(samples)
+            while _trained_step(self.run_dir) < step:
+                time.sleep(0.05)  # a fault must land before the two steps after its step are trained
+            starts = _group_starts(self.run_dir)
             try:
                 action()
                 self.done.append(step)
             except Exception as err:  # noqa: BLE001 - reported by the test
                 self.errors.append(repr(err))
                 return
-            self._wait_for_restart(samples, previous, started=time.monotonic())
+            self._wait_for_restart(starts, started=time.monotonic())
 
-    def _wait_for_restart(self, samples: Path, previous: int, started: float, limit_s: float = 600) -> None:
-        while _inode(samples) == previous and time.monotonic() - started < limit_s:
-            time.sleep(0.2)
+    def _wait_for_restart(self, starts: int, started: float, limit_s: float = 600) -> None:
+        while _group_starts(self.run_dir) <= starts and time.monotonic() - started < limit_s:
+            time.sleep(0.1)
         self.recovered_after_s.append(time.monotonic() - started)
 
 
@@ -149,8 +151,11 @@ def _signal_a_worker(sig: int, earlier_groups: set[int]) -> Callable[[], None]:
     return send
 
 
-def _kill_the_planner(run_name: str) -> Callable[[], None]:
+def _kill_the_planner(run_name: str, signaled: set[int]) -> Callable[[], None]:
     """ray.kill the planner of run `run_name` (named skrull-planner-<run>-<hex>); Ray restarts it.
+
+    The worker group it fails joins `signaled` (see _signal_a_worker), so that a later fault of the same
+    run reaches the restarted group.
 
     The train workers are frozen (SIGSTOP) from before the lookup until the kill returns: a worker that
     fetched its last plan before the kill never notices it. On a busy 2-core CI machine the lookup through
@@ -159,6 +164,7 @@ def _kill_the_planner(run_name: str) -> Callable[[], None]:
     def kill() -> None:
         prefix = f"skrull-planner-{run_name}-"
         workers = _train_worker_pids()
+        signaled.update(workers)
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
         try:
@@ -187,7 +193,7 @@ def chats(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference_run(local_ray, tmp_path_factory: pytest.TempPathFactory, chats: list[str]) -> TrainSummary:
-    """The same 6 steps trained without interruption (metrics reduced every 4 steps, checkpoints every 2)."""
+    """The same 8 steps trained without interruption (metrics reduced every 4 steps, checkpoints every 2)."""
     config = _config(tmp_path_factory.mktemp("reference"), "reference", *chats, "train.log_every=4",
                      "train.checkpoint_every=2")
     return train(config, progress=False)
@@ -201,7 +207,8 @@ def reference(reference_run: TrainSummary) -> list[float]:
 def test_an_uninterrupted_run_reports_every_step_and_keeps_two_checkpoints(reference_run) -> None:
     summary = reference_run
     assert summary.resumed_from_step is None and summary.restarts == 0
-    # Metrics reduced on steps 2, 4 and 6 (checkpoint steps) and 4 (log_every): every step reported once.
+    # Metrics reduced on steps 2, 4, 6 and 8 (checkpoint steps) and 4 and 8 (log_every): every step
+    # reported once.
     assert [h["step"] for h in summary.history] == list(range(1, STEPS + 1))
     assert summary.loss_last < summary.loss_first - 0.5, summary.losses
     assert [h["lr"] for h in summary.history] == pytest.approx(WARMUP_LRS, rel=1e-6)
@@ -209,7 +216,7 @@ def test_an_uninterrupted_run_reports_every_step_and_keeps_two_checkpoints(refer
     lines = Path(summary.run_dir, "samples.jsonl").read_text().splitlines()
     assert {json.loads(line)["dp_rank"] for line in lines} == {0, 1}
     _assert_samples_exact(summary.run_dir, STEPS)
-    # train.keep_checkpoints defaults to 2: of the three saved, the newest two remain.
+    # train.keep_checkpoints defaults to 2: of the four saved, the newest two remain.
     assert len([p for p in Path(summary.run_dir).glob("checkpoint_*") if p.is_dir()]) == 2
 
 
@@ -235,36 +242,34 @@ def test_resume_on_fewer_workers(shrunk, reference) -> None:
     assert _lrs(first) + _lrs(shrunk) == pytest.approx(WARMUP_LRS[:3], rel=1e-6)
 
 
-def test_resume_on_more_workers_through_a_killed_planner_and_what_a_rerun_refuses(shrunk, reference,
-                                                                                   chats) -> None:
-    """The shrunk run grown to 2 workers again to step 6, its planner killed after step 4 (Ray restarts it
-    from the driver's arguments, at this run's starting cursor of step 3; the restarted worker group must
-    move it to step 4's). The kill leaves two steps: a worker fetches the plan of its next step ahead, so a
-    kill before the last step alone goes unnoticed. Then a changed math key, and a finished run."""
+def test_resume_on_more_workers_through_a_killed_planner_and_a_killed_worker(shrunk, reference,
+                                                                            chats) -> None:
+    """The shrunk run grown to 2 workers again to step 8, through two faults, then what a rerun refuses.
+
+    - Its planner is killed after step 4: Ray restarts it from the driver's arguments, at this run's
+      starting cursor of step 3; the restarted worker group must move it to step 4's.
+    - A worker of the restarted group is SIGKILLed (by pid) after step 6: Ray Train restarts the group
+      from the newest checkpoint (step 6's).
+    - Each fault leaves two steps: a worker fetches the plan of its next step ahead, so a planner kill
+      before the last step alone goes unnoticed, and a worker killed after the last step kills nothing.
+    - Then a changed math key, and a finished run, are refused.
+    (One run for both faults: each run costs ~28 s of Ray Train start-up on 2 cores, a fault ~15 s.)
+    """
     tmp_path, first, shrunk = shrunk
-    grown, _ = _train_with_faults(tmp_path, "dp", [(4, _kill_the_planner("dp"))], *chats,
-                                  "train.max_failures=1")
-    assert grown.resumed_from_step == 3 and grown.restarts == 1
-    assert [h["world_size"] for h in grown.history] == [2, 2, 2]
+    signaled: set[int] = set()
+    faults = [(4, _kill_the_planner("dp", signaled)), (6, _signal_a_worker(signal.SIGKILL, signaled))]
+    grown, _ = _train_with_faults(tmp_path, "dp", faults, *chats, "train.max_failures=2")
+    assert grown.resumed_from_step == 3 and grown.restarts == 2 and grown.steps == STEPS - 3
+    assert [h["world_size"] for h in grown.history] == [2] * (STEPS - 3)
     assert first.losses + shrunk.losses + grown.losses == pytest.approx(reference, rel=1e-4)
     assert _lrs(first) + _lrs(shrunk) + _lrs(grown) == pytest.approx(WARMUP_LRS, rel=1e-6)
     _assert_samples_exact(grown.run_dir, STEPS)
 
     with pytest.raises(ConfigError, match=r"train.lr: 0.003 -> 0.001.*train.allow_config_change"):
-        train(_config(tmp_path, "dp", *chats, "train.steps=8", "train.lr=0.001"), progress=False)
-    with pytest.raises(ConfigError, match=r"already trained 6 steps \(train.steps=6\); raise train.steps"):
+        train(_config(tmp_path, "dp", *chats, f"train.steps={STEPS + 2}", "train.lr=0.001"), progress=False)
+    with pytest.raises(ConfigError, match=rf"already trained {STEPS} steps \(train.steps={STEPS}\); raise "
+                                          r"train.steps"):
         train(_config(tmp_path, "dp", *chats), progress=False)
-
-
-def test_a_killed_worker_is_recovered_from_the_newest_checkpoint(reference, chats, tmp_path: Path) -> None:
-    """SIGKILL a train worker (by pid) after step 2. (The killed planner is the grown run's fault above:
-    one run with both faults took ~75 s on 2 cores, the suite's slowest test.)"""
-    faults = [(2, _signal_a_worker(signal.SIGKILL, set()))]
-    summary, _ = _train_with_faults(tmp_path, "killed", faults, *chats, "train.max_failures=1")
-    assert summary.restarts == 1 and summary.steps == STEPS
-    assert summary.losses == pytest.approx(reference, rel=1e-4)
-    assert _lrs(summary) == pytest.approx(WARMUP_LRS, rel=1e-6)
-    _assert_samples_exact(summary.run_dir, STEPS)
 
 
 def test_a_hung_peer_is_recovered_from_the_newest_checkpoint(reference, chats, tmp_path: Path) -> None:
@@ -281,8 +286,8 @@ def test_a_hung_peer_is_recovered_from_the_newest_checkpoint(reference, chats, t
     assert summary.losses == pytest.approx(reference, rel=1e-4)
     assert _lrs(summary) == pytest.approx(WARMUP_LRS, rel=1e-6)
     _assert_samples_exact(summary.run_dir, STEPS)
-    # The hung step failed within the timeout: the next group had rewritten samples.jsonl soon after it
-    # (the timeout, then Ray Train's teardown and a new group's start: ~15-25 s on this machine).
+    # The hung step failed within the timeout: the next group had started soon after it (the timeout,
+    # then Ray Train's teardown and a new group's start: ~15-25 s on this machine).
     assert injector.recovered_after_s[-1] < HUNG_TIMEOUT_S + 90, injector.recovered_after_s
 
 
