@@ -54,7 +54,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.05")
 # torch.compile and never calls those decorated Muon functions, so dynamo off changes no computation.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-RAY_FIXTURES = frozenset({"local_ray", "suite_ray", "tiny_run"})
+RAY_FIXTURES = frozenset({"local_ray", "suite_ray", "tiny_run", "signaled_drivers"})
 """Fixtures that start Ray: a test using one (directly or through another fixture) is `slow`."""
 
 # Module order: the quick tier first (a failure there answers in minutes), then the tests on the suite's
@@ -158,6 +158,26 @@ def tiny_run(suite_ray: SuiteRay, tmp_path_factory: pytest.TempPathFactory):
 
             wandb.teardown()  # W&B's process (it read the environment above) ends, its files complete
     return summary, uri
+
+
+@pytest.fixture(scope="session")
+def signaled_drivers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """tests/test_resilience.py's Ctrl-C driver and tests/test_embedded_run.py's SIGTERM driver, started at
+    once by the first test that needs either: {"ctrl_c": SignaledDriver, "sigterm": SignaledDriver}.
+
+    Each is a `train` process with its own embedded Ray, stopped by its signal (tests/driver_process.py);
+    one alone leaves about a third of 2 cores idle, and each took ~32 s of its module's time run alone.
+    """
+    from tests.test_embedded_run import sigterm_driver
+    from tests.test_resilience import ctrl_c_driver
+
+    drivers = {"ctrl_c": ctrl_c_driver(tmp_path_factory),
+               "sigterm": sigterm_driver(tmp_path_factory.mktemp("embedded"))}
+    for driver in drivers.values():
+        driver.start()
+    yield drivers
+    for driver in drivers.values():  # a driver whose test was not selected still ends before the session
+        driver.join()
 
 
 @pytest.fixture

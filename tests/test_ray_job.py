@@ -2,7 +2,8 @@
 
 The fixture starts Ray in its own process group and temp dir, and stops only that group, never a Ray
 that something else on the machine started. Both tests share one head (starting and stopping one
-cost ~37 s here): the job runs on it, and the embedded run must ignore it.
+cost ~37 s here): the job runs on it, and the embedded run, started just before the job and training at
+the same time, must ignore it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -69,19 +71,51 @@ def ray_head(auth_env: dict[str, str], suite_ray) -> Iterator[str]:
         _wait_for_dashboard(url, proc)
         yield url
     finally:
-        # `ray start --block` outlived 30 s of SIGTERM in each run measured (2026-11-25), so the SIGKILL of
-        # its group always came: 5 s of grace ends the same way, 25 s sooner.
-        for sig, grace_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 30)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=grace_s)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
+        # SIGKILL to its process group at once: `ray start --block` outlived 30 s of SIGTERM in each run
+        # measured (2026-11-25), so a SIGTERM first only waited for the SIGKILL that always came.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+
+
+@dataclass
+class QuietRun:
+    driver: subprocess.Popen
+    storage: Path
+    stdout: Path
+    stderr: Path
+
+
+@pytest.fixture(scope="module")
+def quiet_run(ray_head: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[QuietRun]:
+    """`python -m app train` without RAY_ADDRESS while the `ray start` cluster runs, started here and waited
+    for by its test: the job test below takes this fixture so that the job trains at the same time (each run
+    alone leaves about a third of 2 cores idle, in its start-up and between its steps)."""
+    storage = tmp_path_factory.mktemp("quiet")
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml",
+               "--set", f"run.storage_path={storage}", "--set", "run.name=quiet", "--set", "train.steps=2",
+               "--set", "data.num_samples=32", "--set", "data.length_scale=0.1", "--set", SMALL_VOCAB,
+               "--set", "parallel.cp_size=1", "--set", "parallel.num_workers=1"]  # its output, not CP
+    stdout, stderr = storage / "stdout", storage / "stderr"
+    with stdout.open("wb") as out, stderr.open("wb") as err:  # files, not pipes: none is read while it runs
+        driver = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=err)
+    run = QuietRun(driver=driver, storage=storage, stdout=stdout, stderr=stderr)
+    try:
+        yield run
+    finally:
+        if run.driver.poll() is None:  # its test did not run or failed before it ended
+            run.driver.kill()
+            run.driver.wait()
 
 
 @pytest.mark.slow
-def test_ray_job_submit_trains_the_tiny_config(ray_head: str, auth_env: dict[str, str],
+def test_ray_job_submit_trains_the_tiny_config(ray_head: str, auth_env: dict[str, str], quiet_run: QuietRun,
                                                 tmp_path: Path) -> None:
+    """The tiny config as a Ray job on the `ray start` head, while quiet_run's own run trains beside it."""
     entrypoint = [
         sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml", "--json",
         "--set", f"run.storage_path={tmp_path}", "--set", "run.name=job", "--set", "train.steps=3",
@@ -103,20 +137,15 @@ def test_ray_job_submit_trains_the_tiny_config(ray_head: str, auth_env: dict[str
 
 
 @pytest.mark.slow
-def test_embedded_train_beside_a_running_cluster_is_quiet(ray_head: str, tmp_path: Path) -> None:
-    """No RAY_ADDRESS while a `ray start` cluster runs: the run starts its own Ray and never touches that one;
-    the terminal shows the data summary, the progress bar and the summary, the run's log holds the rest."""
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml",
-               "--set", f"run.storage_path={tmp_path}", "--set", "run.name=quiet", "--set", "train.steps=2",
-               "--set", "data.num_samples=32", "--set", "data.length_scale=0.1", "--set", SMALL_VOCAB,
-               "--set", "parallel.cp_size=1", "--set", "parallel.num_workers=1"]  # its output, not CP
-    # Bytes, not text=True: universal newlines would turn tqdm's \r redraws into lines of their own.
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, timeout=600)
-    stdout, stderr = result.stdout.decode(), result.stderr.decode()
-    log = (tmp_path / "quiet" / "logs" / "driver.log").read_text()
-    assert result.returncode == 0, stderr[-3000:] + log[-3000:]
+def test_embedded_train_beside_a_running_cluster_is_quiet(quiet_run: QuietRun) -> None:
+    """No RAY_ADDRESS while a `ray start` cluster runs (and trains the job above): the run starts its own Ray
+    and never touches that one; the terminal shows the data summary, the progress bar and the summary, the
+    run's log holds the rest."""
+    quiet_run.driver.wait(timeout=600)
+    # Bytes, not text: universal newlines would turn tqdm's \r redraws into lines of their own.
+    stdout, stderr = quiet_run.stdout.read_bytes().decode(), quiet_run.stderr.read_bytes().decode()
+    log = (quiet_run.storage / "quiet" / "logs" / "driver.log").read_text()
+    assert quiet_run.driver.returncode == 0, stderr[-3000:] + log[-3000:]
     # tqdm redraws its line with \r, so a terminal shows one line per \n.
     lines = [line for line in (stdout + stderr).split("\n") if line.strip()]
     assert len(lines) <= 8, lines

@@ -32,7 +32,7 @@ from app.config import ConfigError, load_config  # noqa: E402
 from app.driver import TrainSummary, train  # noqa: E402
 from app.preflight import recorded_step  # noqa: E402
 from app.report import run_report  # noqa: E402
-from tests.driver_process import Stopped, start_driver, stop_driver  # noqa: E402
+from tests.driver_process import SignaledDriver, Stopped  # noqa: E402
 from tests.run_configs import SMALL_VOCAB, scheduled_lrs, shuffled_chats, shuffled_step_ids  # noqa: E402
 
 NUM_SAMPLES, BATCH, STEPS = 40, 8, 8
@@ -295,19 +295,24 @@ CTRL_C_DECAY = ("train.lr_scheduler=cosine", "train.min_lr_ratio=0.1")
 """The Ctrl-C run decays its rate after the warmup: its resume must continue the same curve."""
 
 
-@pytest.fixture(scope="module")
-def interrupted(local_ray, tmp_path_factory: pytest.TempPathFactory, chats: list[str]) -> Stopped:
-    """SIGINT to a `train` driver process (its own embedded Ray) after step 2: what it left behind.
-
-    Its resume is the next test's (each of the two runs charged to its own test).
-    """
+def ctrl_c_driver(tmp_path_factory: pytest.TempPathFactory) -> SignaledDriver:
+    """This module's Ctrl-C run: a `train` driver process (its own embedded Ray) SIGINTed after step 2, on
+    its own copy of the chats; started by tests/conftest.py `signaled_drivers`, beside
+    tests/test_embedded_run.py's SIGTERM driver."""
     tmp_path = tmp_path_factory.mktemp("ctrl_c")
-    driver = start_driver(_overrides(tmp_path, "", *chats, "train.checkpoint_every=1", *CTRL_C_DECAY))
-    deadline = time.monotonic() + 300
-    while not any(recorded_step(d) >= 2 for d in tmp_path.glob("skrull-*")):
-        assert driver.poll() is None and time.monotonic() < deadline, driver.communicate()
-        time.sleep(0.2)
-    return stop_driver(driver, signal.SIGINT, timeout_s=60, grace_s=10)
+    chats = shuffled_chats(tmp_path_factory.mktemp("ctrl_c_chats"), NUM_SAMPLES)
+
+    def trained_two_steps() -> bool:
+        return any(recorded_step(d) >= 2 for d in tmp_path.glob("skrull-*"))
+
+    return SignaledDriver(_overrides(tmp_path, "", *chats, "train.checkpoint_every=1", *CTRL_C_DECAY),
+                          trained_two_steps, signal.SIGINT, timeout_s=60, grace_s=10)
+
+
+@pytest.fixture(scope="module")
+def interrupted(local_ray, signaled_drivers: dict[str, SignaledDriver]) -> Stopped:
+    """What the Ctrl-C run's driver left behind. Its resume is the next test's (on the suite's Ray)."""
+    return signaled_drivers["ctrl_c"].result()
 
 
 def test_ctrl_c_stops_within_seconds_and_prints_the_command_that_resumes(interrupted: Stopped) -> None:
