@@ -21,12 +21,19 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 
 
+PACED_STEPS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+"""A signaled driver's controller polls its workers every 0.25 s, not the suite's 0.05 s (tests/conftest.py):
+a worker reporting a step waits for the poll of its last report, so the steps of these runs come ~0.25 s
+apart, and a signal sent once the controller has recorded a step's checkpoint lands with steps still to
+train. At 0.05 s a step took milliseconds: a Ctrl-C run trained all 8 steps before its step 2 was seen."""
+
+
 def start_driver(overrides: list[str]) -> subprocess.Popen:
     """`python -m app train --config configs/tiny-cpu.yaml --no-progress --set ...`, its own embedded Ray
-    (no RAY_ADDRESS), in a session of its own, its stdout and stderr piped."""
+    (no RAY_ADDRESS), in a session of its own, its stdout and stderr piped, its steps paced (PACED_STEPS)."""
     command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml", "--no-progress",
                *(part for o in overrides for part in ("--set", o))]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | PACED_STEPS
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
 
@@ -44,9 +51,20 @@ class Stopped:
 
 
 def stop_driver(driver: subprocess.Popen, sig: int, *, timeout_s: float, grace_s: float) -> Stopped:
-    """Send `sig` to the driver, wait up to timeout_s for it to exit, then up to grace_s for its Ray."""
+    """Send `sig` to the driver, wait up to timeout_s for it to exit, then up to grace_s for its Ray.
+
+    The driver's train workers are frozen (SIGSTOP) from before the signal until it is sent: a tiny run's
+    steps take milliseconds, and a run that trained its last step first would end without the signal.
+    """
     processes = psutil.Process(driver.pid).children(recursive=True)
-    driver.send_signal(sig)
+    workers = [p for p in processes if _is_train_worker(p)]
+    for worker in workers:
+        worker.suspend()
+    try:
+        driver.send_signal(sig)
+    finally:
+        for worker in workers:
+            worker.resume()
     sent = time.monotonic()
     _, stderr = driver.communicate(timeout=timeout_s)
     stopped_in_s = time.monotonic() - sent
@@ -57,6 +75,13 @@ def stop_driver(driver: subprocess.Popen, sig: int, *, timeout_s: float, grace_s
         process.kill()
     return Stopped(returncode=driver.returncode, stderr=stderr.decode(), stopped_in_s=stopped_in_s,
                    ray_processes=len(processes), left_alive=left)
+
+
+def _is_train_worker(process: psutil.Process) -> bool:
+    try:
+        return (process.cmdline() or [""])[0].startswith("ray::RayTrainWorker")
+    except psutil.Error:  # gone already
+        return False
 
 
 class ListenSampler(threading.Thread):
