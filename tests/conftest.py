@@ -161,12 +161,14 @@ def tiny_run(suite_ray: SuiteRay, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
-def signaled_drivers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """tests/test_resilience.py's Ctrl-C driver and tests/test_embedded_run.py's SIGTERM driver, started at
-    once by the first test that needs either: {"ctrl_c": SignaledDriver, "sigterm": SignaledDriver}.
+def signaled_drivers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """tests/test_resilience.py's Ctrl-C driver and tests/test_embedded_run.py's SIGTERM driver, run at once
+    by the first test that needs either, to their ends: {"ctrl_c": SignaledDriver, "sigterm": ...}.
 
     Each is a `train` process with its own embedded Ray, stopped by its signal (tests/driver_process.py);
     one alone leaves about a third of 2 cores idle, and each took ~32 s of its module's time run alone.
+    Both have ended before any other test runs: a driver left training beside the tests that followed got
+    its Ctrl-C only after its last step in two clean-clone runs (2026-11-26), never when waited for here.
     """
     from tests.test_embedded_run import sigterm_driver
     from tests.test_resilience import ctrl_c_driver
@@ -175,9 +177,9 @@ def signaled_drivers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
                "sigterm": sigterm_driver(tmp_path_factory.mktemp("embedded"))}
     for driver in drivers.values():
         driver.start()
-    yield drivers
-    for driver in drivers.values():  # a driver whose test was not selected still ends before the session
+    for driver in drivers.values():
         driver.join()
+    return drivers
 
 
 @pytest.fixture

@@ -197,8 +197,10 @@ def test_losing_a_node_shrinks_the_worker_group_to_dp1(cluster, chats, tmp_path:
     run_dir = tmp_path / "shrink"
     run = _elastic_run(tmp_path, "shrink", chats)
     _wait_for(lambda: max(_steps(run_dir), default=0) >= 3 and _dp_of_last_step(run_dir) == 2, "DP=2 steps")
-    cluster.remove_node(cluster.worker_nodes.copy().pop())  # one worker node (and its train worker) is gone
-    _refresh_ray_trains_view(slots=1)
+    with _hold_the_planner("shrink"):  # a step takes tens of milliseconds: the run must outlast the loss
+        cluster.remove_node(cluster.worker_nodes.copy().pop())  # a worker node (and its train worker) is gone
+        _refresh_ray_trains_view(slots=1)
+        _wait_for(lambda: _group_starts(run_dir) >= 2, "the worker group shrunk to DP=1")
     _assert_resized_and_exact(run.finish(), run_dir, first_dp=2, last_dp=1)
 
 

@@ -1,7 +1,7 @@
 """Survive the cluster, on an embedded Ray (CPU, gloo): resume on another worker count, a killed worker, a
 killed planner, Ctrl-C on the driver.
 
-Every run trains the same 8 global batches (8 short chats from a file of 40, visited in a new
+Every run trains the same 10 global batches (8 short chats from a file of 40, visited in a new
 seeded order each epoch: data.shuffle; DP=2 x CP=1, random-init tiny Qwen2, fp32) as one uninterrupted
 reference run, so each interrupted run must reproduce the reference's batches and losses: fp32 summation
 order differs between DP sizes and restarts (~1e-7 relative per step), which Adam's normalized updates keep
@@ -35,7 +35,7 @@ from app.report import run_report  # noqa: E402
 from tests.driver_process import SignaledDriver, Stopped  # noqa: E402
 from tests.run_configs import SMALL_VOCAB, scheduled_lrs, shuffled_chats, shuffled_step_ids  # noqa: E402
 
-NUM_SAMPLES, BATCH, STEPS = 40, 8, 8
+NUM_SAMPLES, BATCH, STEPS = 40, 8, 10
 WARMUP, LR = 3, 0.003  # LR: configs/tiny-cpu.yaml's
 """Every run here warms its learning rate up over 3 steps, so a start after step 1 or 2 (a resume on
 another worker count, a restart) that put the schedule anywhere but at its step shows in the next `lr`
@@ -74,7 +74,7 @@ def _assert_samples_exact(run_dir: str | Path, steps: int) -> None:
     for line in lines:
         by_epoch.setdefault(line["epoch"], []).extend(line["sample_ids"])
     assert sum(len(ids) for ids in by_epoch.values()) == steps * BATCH
-    assert sorted(by_epoch[0]) == list(range(NUM_SAMPLES))  # 8 x 8 = 64: all of epoch 0, 24 of epoch 1
+    assert sorted(by_epoch[0]) == list(range(NUM_SAMPLES))  # 10 x 8 = 80: all of epochs 0 and 1
     for ids in by_epoch.values():
         assert len(ids) == len(set(ids))
 
@@ -142,12 +142,22 @@ def _train_worker_pids() -> list[int]:
 
 
 def _signal_a_worker(sig: int, earlier_groups: set[int]) -> Callable[[], None]:
-    """Send `sig` to a train worker of the current group (never one of a group already signaled)."""
+    """Send `sig` to a train worker of the current group (never one of a group already signaled).
+
+    Its peers are frozen (SIGSTOP) from before the signal until it is sent: a step here takes tens of
+    milliseconds, and a group that trained the run's last steps in the meantime would end it unfaulted.
+    """
     def send() -> None:
         pids = [pid for pid in _train_worker_pids() if pid not in earlier_groups]
         assert pids, "no RayTrainWorker process of the current group"
         earlier_groups.update(pids)
-        os.kill(pids[-1], sig)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            os.kill(pids[-1], sig)
+        finally:
+            for pid in pids[:-1]:
+                os.kill(pid, signal.SIGCONT)
     return send
 
 
@@ -193,7 +203,7 @@ def chats(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference_run(local_ray, tmp_path_factory: pytest.TempPathFactory, chats: list[str]) -> TrainSummary:
-    """The same 8 steps trained without interruption (metrics reduced every 4 steps, checkpoints every 2)."""
+    """The same 10 steps trained without interruption (metrics reduced every 4 steps, checkpoints every 2)."""
     config = _config(tmp_path_factory.mktemp("reference"), "reference", *chats, "train.log_every=4",
                      "train.checkpoint_every=2")
     return train(config, progress=False)
@@ -207,7 +217,7 @@ def reference(reference_run: TrainSummary) -> list[float]:
 def test_an_uninterrupted_run_reports_every_step_and_keeps_two_checkpoints(reference_run) -> None:
     summary = reference_run
     assert summary.resumed_from_step is None and summary.restarts == 0
-    # Metrics reduced on steps 2, 4, 6 and 8 (checkpoint steps) and 4 and 8 (log_every): every step
+    # Metrics reduced on steps 2, 4, 6, 8 and 10 (checkpoint steps) and 4 and 8 (log_every): every step
     # reported once.
     assert [h["step"] for h in summary.history] == list(range(1, STEPS + 1))
     assert summary.loss_last < summary.loss_first - 0.5, summary.losses
@@ -216,7 +226,7 @@ def test_an_uninterrupted_run_reports_every_step_and_keeps_two_checkpoints(refer
     lines = Path(summary.run_dir, "samples.jsonl").read_text().splitlines()
     assert {json.loads(line)["dp_rank"] for line in lines} == {0, 1}
     _assert_samples_exact(summary.run_dir, STEPS)
-    # train.keep_checkpoints defaults to 2: of the four saved, the newest two remain.
+    # train.keep_checkpoints defaults to 2: of the five saved, the newest two remain.
     assert len([p for p in Path(summary.run_dir).glob("checkpoint_*") if p.is_dir()]) == 2
 
 
@@ -244,14 +254,15 @@ def test_resume_on_fewer_workers(shrunk, reference) -> None:
 
 def test_resume_on_more_workers_through_a_killed_planner_and_a_killed_worker(shrunk, reference,
                                                                             chats) -> None:
-    """The shrunk run grown to 2 workers again to step 8, through two faults, then what a rerun refuses.
+    """The shrunk run grown to 2 workers again to step 10, through two faults, then what a rerun refuses.
 
     - Its planner is killed after step 4: Ray restarts it from the driver's arguments, at this run's
       starting cursor of step 3; the restarted worker group must move it to step 4's.
     - A worker of the restarted group is SIGKILLed (by pid) after step 6: Ray Train restarts the group
       from the newest checkpoint (step 6's).
-    - Each fault leaves two steps: a worker fetches the plan of its next step ahead, so a planner kill
-      before the last step alone goes unnoticed, and a worker killed after the last step kills nothing.
+    - Each fault leaves steps to train: a worker fetches the plan of its next step ahead, so a planner
+      kill before the last step alone goes unnoticed, and a worker killed after the last step kills
+      nothing (the workers are frozen while a fault is injected, the fault seen within ~0.1 s).
     - Then a changed math key, and a finished run, are refused.
     (One run for both faults: each run costs ~28 s of Ray Train start-up on 2 cores, a fault ~15 s.)
     """
