@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,6 +54,13 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.05")
 # process (measured in isolation, 2026-11-26). Nothing here compiles: the product never calls
 # torch.compile and never calls those decorated Muon functions, so dynamo off changes no computation.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# A `train` driver a test starts (tests/driver_process.py) must take Ctrl-C as from a user's shell. A process
+# started in the background by a non-interactive shell (`cmd &`, as CI runners and nohup'd jobs do) inherits
+# SIGINT ignored, and Python then installs no KeyboardInterrupt handler: the Ctrl-C driver ignored the
+# test's SIGINT and trained to its end (clean-clone runs started with `&`, 2026-11-26). A handler set here is
+# reset to the default in every child at exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 RAY_FIXTURES = frozenset({"local_ray", "suite_ray", "tiny_run", "signaled_drivers"})
 """Fixtures that start Ray: a test using one (directly or through another fixture) is `slow`."""
@@ -161,14 +169,13 @@ def tiny_run(suite_ray: SuiteRay, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
-def signaled_drivers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """tests/test_resilience.py's Ctrl-C driver and tests/test_embedded_run.py's SIGTERM driver, run at once
-    by the first test that needs either, to their ends: {"ctrl_c": SignaledDriver, "sigterm": ...}.
+def signaled_drivers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """tests/test_resilience.py's Ctrl-C driver and tests/test_embedded_run.py's SIGTERM driver, started at
+    once by the first test that needs either: {"ctrl_c": SignaledDriver, "sigterm": SignaledDriver}.
 
-    Each is a `train` process with its own embedded Ray, stopped by its signal (tests/driver_process.py);
-    one alone leaves about a third of 2 cores idle, and each took ~32 s of its module's time run alone.
-    Both have ended before any other test runs: a driver left training beside the tests that followed got
-    its Ctrl-C only after its last step in two clean-clone runs (2026-11-26), never when waited for here.
+    Each is a `train` process with its own embedded Ray, stopped by its signal from a thread of this
+    process (tests/driver_process.py); one alone leaves about a third of 2 cores idle, and each took ~32 s
+    of its module's time run alone. A driver still running when its test asks waits for it there.
     """
     from tests.test_embedded_run import sigterm_driver
     from tests.test_resilience import ctrl_c_driver
@@ -177,9 +184,9 @@ def signaled_drivers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]
                "sigterm": sigterm_driver(tmp_path_factory.mktemp("embedded"))}
     for driver in drivers.values():
         driver.start()
-    for driver in drivers.values():
+    yield drivers
+    for driver in drivers.values():  # a driver whose test was not selected still ends before the session
         driver.join()
-    return drivers
 
 
 @pytest.fixture

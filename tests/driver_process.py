@@ -25,7 +25,8 @@ PACED_STEPS = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
 """A signaled driver's controller polls its workers every 0.25 s, not the suite's 0.05 s (tests/conftest.py):
 a worker reporting a step waits for the poll of its last report, so the steps of these runs come ~0.25 s
 apart, and a signal sent once the controller has recorded a step's checkpoint lands with steps still to
-train. At 0.05 s a step took milliseconds: a Ctrl-C run trained all 8 steps before its step 2 was seen."""
+train. At 0.05 s a step took tens of milliseconds, and a Ctrl-C run had trained all its 8 steps by the time
+its signal, sent once step 2's checkpoint was recorded, landed (2026-11-26)."""
 
 
 def start_driver(overrides: list[str]) -> subprocess.Popen:
