@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         _top_level_parser().parse_args(argv)  # prints usage / the unknown-command error and exits
         return 2
     args = build_command_parser(argv[0]).parse_args(argv[1:])
-    from app.run_failures import RunFailed
+    from app.train.failures import RunFailed
     from scheduling import SchedulingError
     from workers.storage import redact_text
 

@@ -359,12 +359,12 @@ class TrainConfig:
     """Compute the eval loss (data.eval_fraction / data.eval_path) every this many steps and after the
     last one, reported as `eval_loss`; 0: never."""
     wandb_project: str = ""
-    """Weights & Biases project every reported step's metrics also go to (app/wandb_log.py), one W&B run
+    """Weights & Biases project every reported step's metrics also go to (app/sinks/wandb.py), one W&B run
     per run.name; empty: off. Needs the extra skrull-on-ray[wandb]; WANDB_MODE=offline works offline."""
     wandb_entity: str = ""
     """W&B entity (user or team) of wandb_project; empty: the API key's default entity."""
     mlflow_uri: str = ""
-    """MLflow tracking URI every reported step's metrics also go to (app/mlflow_log.py), e.g.
+    """MLflow tracking URI every reported step's metrics also go to (app/sinks/mlflow.py), e.g.
     http://tracking:5000 or sqlite:///mlflow.db; empty: off. Needs the extra skrull-on-ray[mlflow]."""
     nonfinite: Literal["error", "skip"] = "error"
     """A step whose loss or gradient norm is inf/NaN on any rank (workers/nonfinite.py): `error` stops the
@@ -454,7 +454,7 @@ class SkrullConfig:
         data.tokenizer=auto resolves here, once, so every consumer and the run's saved config see the
         tokenizer actually used: model.name_or_path's own (a local model directory or hub id carries its
         tokenizer), or `qwen` for a built-in tiny preset or a model directory without tokenizer files
-        (app/model_support.py then checks that the vocabulary fits the model).
+        (app/model/support.py then checks that the vocabulary fits the model).
         """
         if self.data.tokenizer == "auto":
             object.__setattr__(self, "data", dataclasses.replace(

@@ -68,7 +68,7 @@ TIME = {"scales_as": "time"}
 RATE = {"scales_as": "rate"}
 """Field metadata of HardwareProfile: a time (seconds) or a rate (work per second). Running k times slower
 multiplies every TIME field by k and divides every RATE field by k, which multiplies every modeled time by
-k and changes no plan (`profile --steps` scales a fitted profile this way, app/profile_steps.py).
+k and changes no plan (`profile --steps` scales a fitted profile this way, app/profiling/steps.py).
 peak_flops is left unmarked: T_comp divides by peak_flops * mfu, and mfu carries the fitted speed."""
 
 

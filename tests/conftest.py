@@ -80,7 +80,7 @@ def embedded_ray() -> Iterator[None]:
     """
     import ray
 
-    from app.driver import start_local_ray
+    from app.train.driver import start_local_ray
 
     previous = os.environ.pop("RAY_ADDRESS", None)
     start_local_ray(4, log_to_driver=False)
@@ -146,7 +146,7 @@ def tiny_run(suite_ray: SuiteRay, tmp_path_factory: pytest.TempPathFactory):
     and, with wandb installed, to an offline W&B run in the run directory (tests/test_wandb_log.py), on the
     suite's Ray. Each of those modules used to train its own run (~40-60 s each on 2 cores).
     """
-    from app.driver import train
+    from app.train.driver import train
     from tests.test_train_e2e import EVAL, _config
 
     suite_ray.ensure()

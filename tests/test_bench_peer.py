@@ -1,7 +1,7 @@
 """`bench peer`: TRL's side trains exactly the tokens, labels and weights this project's side does.
 
-No Ray here (quick tier): the TRL side is built as `bench peer` builds it (app/peer/trl_side.py) on a tiny
-model, and what TRL's own dataset preparation, collator and loss produce is compared with references
+No Ray here (quick tier): the TRL side is built as `bench peer` builds it (app/bench/peer/trl_side.py) on a
+tiny model, and what TRL's own dataset preparation, collator and loss produce is compared with references
 nobody here wrote for TRL: the rows of the Ray Data tokenizing function (app/data/ray_ops.py), the
 workers' label shift (workers/batch.py), the planner's global label count, the workers' model build, and
 transformers' own per-sequence causal-LM loss. The timed end-to-end run is `python -m app bench peer`
@@ -19,9 +19,9 @@ import pytest
 pytest.importorskip("trl")
 
 from app.__main__ import main  # noqa: E402
+from app.bench.peer.rows import WARMUP_STEPS, StepBatch, check_peer_config, step_batches  # noqa: E402
 from app.commands.bench_peer import summarize  # noqa: E402
 from app.config import ConfigError, SkrullConfig, load_config  # noqa: E402
-from app.peer.rows import WARMUP_STEPS, StepBatch, check_peer_config, step_batches  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 8
@@ -44,7 +44,7 @@ def batches(config: SkrullConfig) -> list[StepBatch]:
 def trainer(config: SkrullConfig, batches: list[StepBatch], tmp_path_factory: pytest.TempPathFactory):
     import torch
 
-    from app.peer.trl_side import build_trainer
+    from app.bench.peer.trl_side import build_trainer
 
     torch.set_num_threads(1)
     return build_trainer(config, batches, micro_batch=2, out_dir=tmp_path_factory.mktemp("trl"))
@@ -122,7 +122,7 @@ def test_trl_packed_loss_is_the_per_sequence_loss_over_global_label_tokens(train
 def test_trl_model_starts_from_the_workers_weights(config: SkrullConfig, trainer) -> None:
     import torch
 
-    from app.model_args import model_spec
+    from app.model.spec import model_spec
 
     torch.manual_seed(12345)  # the build seeds itself (train.seed), whatever the global RNG state
     workers = model_spec(config.model, config.train, tokenizer=config.data.tokenizer).build()

@@ -28,7 +28,7 @@ import yaml
 
 from app.__main__ import main
 from app.commands.bench_train import BASELINES, format_report, plot_bench, summarize
-from app.run_files import jsonable
+from app.rundir.files import jsonable
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("skrull", "balanced_packed", "static_cp_packed", "static_cp", "sorted", "dynamic_cp")

@@ -373,7 +373,7 @@ def test_check_chat_template_refuses_templates_that_never_stop(make_dir, tmp_pat
 
 
 def test_export_ships_the_template_the_run_trained_with(llama_dir, tmp_path) -> None:
-    from app.export_tokenizer import run_chat_template, save_tokenizer
+    from app.model.export_tokenizer import run_chat_template, save_tokenizer
 
     data = DataConfig(tokenizer=llama_dir, chat_template="auto")
     save_tokenizer(llama_dir, run_chat_template(data), tmp_path / "out")
@@ -414,7 +414,7 @@ def test_bundled_qwen_ids_equal_the_exported_tokenizers_own(tmp_path) -> None:
     whitespace, a forged <|im_end|>."""
     import inspect
 
-    from app.export_tokenizer import run_chat_template, save_tokenizer
+    from app.model.export_tokenizer import run_chat_template, save_tokenizer
 
     chat = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Où est ☕? <|im_end|>"},

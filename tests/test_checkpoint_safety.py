@@ -3,8 +3,8 @@
 Unit (no Ray): the manifests every rank writes (workers/checkpoint_files.py) catch a truncated or altered
 file and a missing rank; the driver sets a bad newest checkpoint aside so that Ray Train's own reader
 (`Result.from_path`, what a resume reads) names the older one, and refuses with exit 2 when none loads
-(app/resume_checkpoints.py); a storage OSError buried in Ray's wrappers becomes one line naming
-run.storage_path and the free space (workers/storage_errors.py, app/run_files.py).
+(app/rundir/resume_checkpoints.py); a storage OSError buried in Ray's wrappers becomes one line naming
+run.storage_path and the free space (workers/storage_errors.py, app/rundir/files.py).
 
 End to end (slow, two Ray runs): a tiny run whose run.storage_path is a 7 MiB tmpfs (two checkpoints of
 ~2.8 MB fit, the third does not) stops at step 3 with one error naming run.storage_path and the free space,
@@ -100,8 +100,8 @@ def _truncate_a_shard(checkpoint: Path) -> None:
 def test_a_bad_newest_checkpoint_is_set_aside_and_ray_train_resumes_the_older_one(tmp_path: Path) -> None:
     from ray.train import Result
 
-    from app.preflight import recorded_step
-    from app.resume_checkpoints import set_aside_unloadable_checkpoints
+    from app.rundir.resume_checkpoints import set_aside_unloadable_checkpoints
+    from app.train.preflight import recorded_step
 
     run = tmp_path / "run"
     _run_with_checkpoints(run, [2, 4, 6])
@@ -147,7 +147,7 @@ def test_a_storage_error_inside_rays_wrappers_is_one_line_naming_the_storage_pat
     from ray.train import WorkerGroupError
     from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
-    from app.run_failures import storage_failure
+    from app.train.failures import storage_failure
 
     full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "samples.jsonl"))
     wrapped = WorkerGroupError("rank 0 failed", {0: UserExceptionWithTraceback(full, "Traceback ...")})
@@ -166,7 +166,7 @@ def test_a_storage_error_inside_rays_wrappers_is_one_line_naming_the_storage_pat
 
 def test_a_run_file_append_that_fails_midway_leaves_no_torn_line(tmp_path: Path, monkeypatch) -> None:
     """A full disk takes half of a metrics.jsonl line: the file is cut back to its last whole line."""
-    from app.run_files import METRICS_FILE, append_jsonl, read_jsonl
+    from app.rundir.files import METRICS_FILE, append_jsonl, read_jsonl
 
     path = tmp_path / METRICS_FILE
     append_jsonl(path, {"step": 1, "loss": 2.0})
@@ -282,8 +282,8 @@ def _in_a_user_namespace(storage: Path, copy: Path) -> tuple[str, list[str]]:
 def full_disk(local_ray, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, list[str], Path]:
     """The run on a 7 MiB filesystem, stopped at step 3: (storage, its error, the run directory's listing,
     a copy of the run directory on roomy storage, made while the small filesystem was still there)."""
-    from app.driver import train
-    from app.run_failures import RunFailed
+    from app.train.driver import train
+    from app.train.failures import RunFailed
 
     root = tmp_path_factory.mktemp("full_disk")
     storage, copy = root / "small", root / "roomy" / "full"
@@ -300,7 +300,7 @@ def full_disk(local_ray, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
 
 
 def test_a_full_disk_is_one_error_naming_the_storage_path_and_no_partial_checkpoint_stays(full_disk) -> None:
-    from app.preflight import recorded_step
+    from app.train.preflight import recorded_step
 
     storage, message, listing, copy = full_disk
     assert message.startswith(f"run.storage_path={storage}: writing checkpoint_"), message
@@ -319,7 +319,7 @@ def test_a_full_disk_is_one_error_naming_the_storage_path_and_no_partial_checkpo
 
 def test_a_truncated_newest_checkpoint_is_skipped_and_the_older_one_resumed(full_disk, capsys) -> None:
     """The copied run: step 2's checkpoint loses most of one optimizer shard; a rerun resumes step 1's."""
-    from app.driver import train
+    from app.train.driver import train
 
     run_dir = full_disk[3]
     first = {r["step"]: r["loss"] for r in _records(run_dir)}

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from app.config import CONFIG_DIR, REPO_ROOT, load_config
-from app.hardware import load_hardware_profile
+from app.profiling.hardware import load_hardware_profile
 
 
 def validate(config: dict[str, Any]) -> dict[str, Any]:

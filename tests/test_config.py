@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.config import ConfigError, SchedulingConfig, SkrullConfig, load_config
-from app.hardware import load_hardware_profile
+from app.profiling.hardware import load_hardware_profile
 from scheduling import POLICIES
 
 

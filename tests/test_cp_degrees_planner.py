@@ -108,7 +108,7 @@ def test_the_fewest_ranks_pass_finds_what_the_one_at_a_time_greedy_misses():
     # Two sequences of ~1.6 C on CP=4 with a slow link: placed alone, each models faster over all four
     # ranks (a quarter of the compute each), so the greedy shards both over the whole group; each on its
     # own pair of ranks does the same compute per rank over a 1-step ring instead of a 3-step one.
-    from app.hardware import cost_model
+    from app.profiling.hardware import cost_model
 
     tiny = cost_model(load_config("tiny-cpu.yaml", ["parallel.num_workers=4", "parallel.cp_size=4"]))
     slow = dataclasses.replace(tiny, profile=dataclasses.replace(tiny.profile, intra_node_bandwidth=2e6))

@@ -1,5 +1,5 @@
-"""The DeepSpeed JSON of a GPU run (app/deepspeed_config.py): torch's AdamW inside ZeRO-2, no JIT-built op,
-and bf16 gradients accumulated in fp32.
+"""The DeepSpeed JSON of a GPU run (app/model/deepspeed_config.py): torch's AdamW inside ZeRO-2, no JIT-built
+op, and bf16 gradients accumulated in fp32.
 
 DeepSpeed builds the optimizer the same way on every accelerator up to the op it loads: its FusedAdam
 loads `FusedAdamBuilder().load()` in its constructor (a JIT compile with nvcc on CUDA, with g++ on CPU).
@@ -16,7 +16,7 @@ import os
 import torch
 
 from app.config import load_config
-from app.deepspeed_config import deepspeed_config
+from app.model.deepspeed_config import deepspeed_config
 from workers.tools.launch import run_workers
 
 MICRO_BATCHES = 64

@@ -25,7 +25,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from app.config import load_config  # noqa: E402
-from app.driver import TrainSummary, train  # noqa: E402
+from app.train.driver import TrainSummary, train  # noqa: E402
 from tests.run_configs import SMALL_VOCAB, shuffled_chats, shuffled_step_ids  # noqa: E402
 
 # 15 steps of 8 = three whole epochs of 40: the run outlasts a node change at step 2-3 by a dozen steps.
@@ -85,7 +85,7 @@ def _wait_for(condition, what: str, timeout_s: float = 300) -> None:
 
 
 def _group_starts(run_dir: Path) -> int:
-    """Starts of the worker group the driver has recorded (worker_starts.jsonl, app/run_files.py)."""
+    """Starts of the worker group the driver has recorded (worker_starts.jsonl, app/rundir/files.py)."""
     try:
         return len((run_dir / "worker_starts.jsonl").read_text().splitlines())
     except OSError:

@@ -19,7 +19,7 @@ import pytest
 
 from app.config import ConfigError, load_config
 from app.data.split import split_counts
-from app.preflight import check_eval_source
+from app.train.preflight import check_eval_source
 from scheduling.eval_plan import plan_eval
 from scheduling.holdout import held_out, splitmix64
 from scheduling.payload import Sample
@@ -66,7 +66,7 @@ def _sample(sample_id: int, length: int) -> Sample:
 @pytest.mark.parametrize("policy", ["skrull", "static_cp"])
 def test_the_eval_plan_covers_every_eval_sample_once_per_rank_group(policy: str) -> None:
     from app.config import SkrullConfig
-    from app.hardware import cost_model
+    from app.profiling.hardware import cost_model
 
     samples = [_sample(i, n) for i, n in enumerate([30, 700, 12, 90, 5, 300, 41, 64, 1500, 8, 77])]
     planned = plan_eval(samples, policy=policy, batch_size=4, dp_size=2, cp_size=2, bucket_size=1024,
@@ -158,7 +158,7 @@ def test_eval_loss_is_reported_on_eval_steps_and_equals_the_hf_models_loss(eval_
     import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from app.model_args import model_spec
+    from app.model.spec import model_spec
     from workers.models import build_model
 
     config, summary, eval_rows = eval_run
@@ -191,7 +191,7 @@ def test_an_eval_path_dataset_is_read_apart_and_planned_whole(eval_run, tmp_path
 
     import ray
 
-    from app.driver import planner_actor, prepared_data
+    from app.train.driver import planner_actor, prepared_data
 
     chats = [[{"role": "user", "content": f"question {i} " * (i + 1)},
               {"role": "assistant", "content": f"answer {i} " * (2 * i + 1)}] for i in range(5)]

@@ -21,7 +21,7 @@ import torch
 
 from app.__main__ import main
 from app.config import ConfigError
-from app.export import export
+from app.model.export import export
 from tests.conftest import TINY_RUN_STEPS
 from tests.export_utils import load_in_fresh_process, max_relative_diff, random_sequences, reference_logits
 from tests.test_train_e2e import _config
@@ -58,7 +58,7 @@ def _rebuilt(config, checkpoint: str, attn: str):
     """The trained model: the run's ModelSpec, weights from DeepSpeed's own consolidation."""
     from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
 
-    from app.model_args import model_spec
+    from app.model.spec import model_spec
 
     model = model_spec(config.model, config.train, tokenizer=config.data.tokenizer).build(attn)
     return load_state_dict_from_zero_checkpoint(model, checkpoint).eval()
@@ -74,7 +74,7 @@ def test_exported_model_gives_the_trained_models_logits(trained) -> None:
     reference = reference_logits(_rebuilt(config, summary.checkpoint, "eager"), sequences)
     assert max_relative_diff(fresh["model"]["logits"], reference) <= TOL
     # ...and not the untrained model's: the export carries the trained weights.
-    from app.model_args import model_spec
+    from app.model.spec import model_spec
 
     initial = model_spec(config.model, config.train, tokenizer="qwen").build("eager").eval()
     assert max_relative_diff(reference_logits(initial, sequences), reference) > 1e-2
@@ -107,7 +107,7 @@ def test_exported_tokenizer_encodes_like_the_runs(trained) -> None:
     chat = tokenize_rows([{"messages": MESSAGES}], run_tok, TemplateSettings()).input_ids[0].tolist()
     assert fresh["chat_ids"] == chat  # data.chat_template: the run's ChatML rendering
     assert fresh["eos_token"] == "<|im_end|>"
-    # the template recorded when the run started (app/preflight.py TEMPLATE_SNAPSHOT) is the one shipped
+    # the template recorded when the run started (app/train/preflight.py TEMPLATE_SNAPSHOT) is the one shipped
     summary, out = trained[0], trained[2]
     recorded = (Path(summary.run_dir) / "chat_template.jinja").read_text()
     shipped = json.loads((out / "tokenizer_config.json").read_text()).get("chat_template")

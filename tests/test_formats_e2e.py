@@ -113,7 +113,7 @@ def test_train_runs_two_steps_on_every_format(llama_data, local_ray, tmp_path: P
     """One run over the four files (16 rows, one global batch of 16): every row of every format trains in
     step 1, on a tiny Llama whose vocabulary is the tokenizer's."""
     from app.config import load_config
-    from app.driver import train
+    from app.train.driver import train
 
     tokenizer, files = llama_data
     data = next(iter(files.values())).parent

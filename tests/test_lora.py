@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from app.config import ConfigError, load_config
-from app.export import export
+from app.model.export import export
 from tests.export_utils import load_in_fresh_process, max_relative_diff, random_sequences, reference_logits
 from tests.run_configs import SMALL_VOCAB
 from tests.test_train_e2e import _config
@@ -56,7 +56,7 @@ def test_adapter_gradients_of_a_sharded_dacp_step_match_the_hf_model() -> None:
 @pytest.fixture(scope="module")
 def lora_run(local_ray, tmp_path_factory):
     """A 3-step LoRA run; the adapter and the merged model exported."""
-    from app.driver import train
+    from app.train.driver import train
 
     tmp = tmp_path_factory.mktemp("lora")
     run = train(_config(tmp, "lora", *LORA, f"train.steps={STEPS}", SMALL_VOCAB), progress=False)
@@ -78,7 +78,7 @@ def test_a_lora_run_trains_only_the_adapters_and_its_loss_decreases(lora_run) ->
 def test_exported_adapter_and_merged_model_give_the_trained_models_logits(lora_run) -> None:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from app.model_args import model_spec
+    from app.model.spec import model_spec
 
     tmp, run, exports = lora_run
     assert [exports[k].kind for k in ("adapter", "merged")] == ["adapter", "merged"]
@@ -113,7 +113,7 @@ def _train_save_resume(rank: int, world: int, directory: str) -> dict:
     """One LoRA step, saved as the train loop saves (frozen weights excluded), loaded into a fresh engine
     as the train loop resumes (non-strict module load); then one more step on both engines."""
     from app.config import load_config
-    from app.deepspeed_config import deepspeed_config
+    from app.model.deepspeed_config import deepspeed_config
     from scheduling import DacpPlan
     from workers.batch import build_rank_batch
     from workers.engine import build_engine

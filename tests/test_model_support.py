@@ -13,8 +13,8 @@ import pytest
 
 from app.__main__ import main
 from app.config import ConfigError, load_config
-from app.model_support import attention_problems, check_model_support, model_config_dict
-from app.preflight import preflight
+from app.model.support import attention_problems, check_model_support, model_config_dict
+from app.train.preflight import preflight
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -134,7 +134,7 @@ def test_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path, capsys) -> N
     from transformers import LlamaConfig
 
     from app.data.tokenizer import load_tokenizer
-    from app.model_support import largest_token_id
+    from app.model.support import largest_token_id
 
     largest = largest_token_id(load_tokenizer("qwen"))  # the Qwen2.5 specials end at 151850
     assert 151643 < largest < 151936
@@ -175,7 +175,7 @@ def test_tiny_presets_take_their_vocabulary_from_the_tokenizer(tmp_path, preset,
 
 @pytest.mark.parametrize("kind", ["longrope", "dynamic"])
 def test_length_dependent_rope_is_exact_only_up_to_its_original_context(kind) -> None:
-    from app.model_support import attention_problems
+    from app.model.support import attention_problems
 
     hf = {"model_type": "phi3", "original_max_position_embeddings": 4096,
           "rope_scaling": {"rope_type": kind, "short_factor": [1.0], "long_factor": [2.0]}}

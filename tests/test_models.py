@@ -145,7 +145,7 @@ def test_llama_cp3_mixed_plan_matches_hf_model() -> None:
 def test_a_sliding_window_no_shorter_than_the_sequences_is_full_causal_attention() -> None:
     """Mistral v0.1's kind of config: with every sequence within the window, the dacp attention equals
     transformers' own sliding-window attention (sdpa); a longer sequence is refused, never silently
-    attended in full (app/model_support.py refuses such a run before Ray starts)."""
+    attended in full (app/model/support.py refuses such a run before Ray starts)."""
     from transformers import MistralConfig, MistralForCausalLM
 
     from workers.attention.hf import register_dacp_attention

@@ -59,7 +59,7 @@ def engine():
     module."""
     import torch.distributed as dist
 
-    from app.deepspeed_config import deepspeed_config
+    from app.model.deepspeed_config import deepspeed_config
     from workers.engine import build_engine
     from workers.models import ModelSpec
     from workers.tools.launch import free_port
@@ -157,7 +157,7 @@ def test_a_non_finite_step_leaves_weights_adam_state_and_lr_schedule_untouched(e
 
 
 def test_the_knobs_are_read_back_from_the_generated_deepspeed_json() -> None:
-    from app.deepspeed_config import deepspeed_config
+    from app.model.deepspeed_config import deepspeed_config
     from workers.nonfinite import knob_values
 
     train = load_config(None, ["train.lr=1.0e+30", "train.grad_clip=0.5"]).train
@@ -169,7 +169,7 @@ def test_the_knobs_are_read_back_from_the_generated_deepspeed_json() -> None:
 
 
 def _write_run(run_dir: Path, losses: list[float | None], **last: object) -> None:
-    from app.run_files import METRICS_FILE, append_jsonl, write_json
+    from app.rundir.files import METRICS_FILE, append_jsonl, write_json
 
     write_json(run_dir / "skrull_config.json", {"train": {"steps": len(losses) + 2}})
     for step, loss in enumerate(losses, start=1):
@@ -179,7 +179,7 @@ def _write_run(run_dir: Path, losses: list[float | None], **last: object) -> Non
 
 
 def test_report_shows_non_finite_steps_and_marks_loss_spikes(tmp_path: Path) -> None:
-    from app.report import report_lines, run_report
+    from app.train.report import report_lines, run_report
 
     _write_run(tmp_path, [6.0, 5.0, 5.5, 70.0, 4.0, None, None], stopped="step 7: the loss was non-finite")
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
@@ -196,7 +196,7 @@ def test_report_shows_non_finite_steps_and_marks_loss_spikes(tmp_path: Path) -> 
 
 
 def test_the_json_summary_of_a_run_whose_last_step_was_skipped_is_strict_json() -> None:
-    from app.driver import TrainSummary
+    from app.train.driver import TrainSummary
 
     summary = TrainSummary(steps=2, samples=16, tokens=100, loss_first=6.0, loss_last=float("nan"),
                            tokens_per_s=10.0, checkpoint=None, run_dir="r", resumed_from_step=None,
@@ -232,7 +232,7 @@ def test_a_divergence_stops_the_run_at_that_step_with_one_line(local_ray, tmp_pa
     """`python -m app train --json` with train.lr=1e30: step 1 is fine, its update makes the loss of step
     2 non-finite; exit 1, one line on stderr, no JSON on stdout, only step 1's checkpoint, no restart."""
     from app.__main__ import main
-    from app.report import report_lines, run_report
+    from app.train.report import report_lines, run_report
 
     args = ["train", "--config", "configs/tiny-cpu.yaml", "--json", "--no-progress"]
     for override in _overrides(tmp_path, "diverged", "train.steps=4", "train.max_failures=2"):
@@ -257,8 +257,8 @@ def test_a_divergence_stops_the_run_at_that_step_with_one_line(local_ray, tmp_pa
 
 def test_skip_drops_non_finite_steps_and_stops_after_max_skipped_steps(local_ray, tmp_path: Path,
                                                                         capsys) -> None:
-    from app.driver import train
-    from app.run_failures import RunFailed
+    from app.train.driver import train
+    from app.train.failures import RunFailed
 
     config = load_config("configs/tiny-cpu.yaml", _overrides(
         tmp_path, "skipping", "train.steps=6", "train.nonfinite=skip", "train.max_skipped_steps=2"))

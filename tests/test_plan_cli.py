@@ -66,7 +66,7 @@ def test_bench_planner_json(capsys):
 @pytest.mark.parametrize("mode", ["truncate", "drop"])
 def test_plan_says_how_many_rows_too_long_changed(capsys, mode: str):
     from app.config import load_config
-    from app.plan_report import sample_batches
+    from app.profiling.plan_report import sample_batches
 
     argv = ["--config", PAPER, "--set", "plan.num_batches=1", "--set", "data.max_length=2000",
             "--set", f"data.too_long={mode}"]
@@ -105,7 +105,7 @@ def test_apply_too_long_returns_the_rows_it_changed():
     import numpy as np
 
     from app.config import load_config
-    from app.plan_report import apply_too_long
+    from app.profiling.plan_report import apply_too_long
 
     lengths = np.array([5, 50, 10, 99, 7])
     for mode, expected in (("truncate", [5, 10, 10, 10, 7]), ("drop", [5, 10, 7])):

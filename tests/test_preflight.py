@@ -16,7 +16,7 @@ import pytest
 
 from app.__main__ import main
 from app.config import ConfigError, load_config
-from app.preflight import CONFIG_SNAPSHOT, check_resume, run_name
+from app.train.preflight import CONFIG_SNAPSHOT, check_resume, run_name
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -103,7 +103,7 @@ def test_more_cpus_than_the_machine_has_fails_fast(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_global_batch_larger_than_an_epoch_is_an_error(local_ray, tmp_path: Path) -> None:
-    from app.driver import train
+    from app.train.driver import train
 
     config = load_config("configs/tiny-cpu.yaml", [
         f"run.storage_path={tmp_path}", "run.name=big", "data.num_samples=10", "data.length_scale=0.1",

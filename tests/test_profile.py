@@ -12,8 +12,8 @@ import pytest
 from app.__main__ import main
 from app.commands.profile import compute_cases, fit_profile
 from app.config import load_config
-from app.hardware import cost_model, load_hardware_profile
-from app.profile_steps import STEP_POLICIES, fitted_cost, planned_steps, scaled_fields
+from app.profiling.hardware import cost_model, load_hardware_profile
+from app.profiling.steps import STEP_POLICIES, fitted_cost, planned_steps, scaled_fields
 from scheduling import simulate
 from scheduling.calibrate import fit_step_scale, fit_two_regime
 from tests.run_configs import SMALL_VOCAB

@@ -1,4 +1,5 @@
-"""The stale-profile check of `train` (app/profile_check.py), fed step metrics as the progress bar does."""
+"""The stale-profile check of `train` (app/profiling/stale_check.py), fed step metrics as the progress
+bar does."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import pytest
 
-from app.profile_check import STALE_STEPS, StaleProfileCheck, median_ratio
+from app.profiling.stale_check import STALE_STEPS, StaleProfileCheck, median_ratio
 
 
 def _metrics(step: int, measured: float, predicted: float) -> dict:

@@ -21,7 +21,7 @@ import pytest
 
 from app.__main__ import main
 from app.config import ConfigError, load_config
-from app.run_files import METRICS_FILE, jsonable, read_jsonl
+from app.rundir.files import METRICS_FILE, jsonable, read_jsonl
 from scheduling import DacpPlan, StepPlan
 from scheduling.payload import Cursor, Sample, build_rank_payloads, spare_payload
 from tests.conftest import TINY_RUN_STEPS as STEPS
@@ -84,7 +84,7 @@ def test_a_torn_last_line_is_left_for_the_next_read(tmp_path: Path) -> None:
 def test_a_set_mlflow_uri_without_mlflow_is_a_config_error_naming_the_key(monkeypatch) -> None:
     import importlib.util
 
-    from app.mlflow_log import check_mlflow
+    from app.sinks.mlflow import check_mlflow
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -112,7 +112,7 @@ def mlflow_file_store(tmp_path: Path, monkeypatch) -> str:
 def test_a_resumed_run_continues_its_mlflow_run(tmp_path: Path, mlflow_file_store: str) -> None:
     from mlflow import MlflowClient
 
-    from app.mlflow_log import MlflowLog
+    from app.sinks.mlflow import MlflowLog
 
     run_dir = tmp_path / "run"
     config = load_config("configs/tiny-cpu.yaml").to_dict()
@@ -133,7 +133,7 @@ def test_a_resumed_run_continues_its_mlflow_run(tmp_path: Path, mlflow_file_stor
 
 
 def test_a_uri_mlflow_refuses_is_a_config_error_and_writes_nothing(tmp_path: Path) -> None:
-    from app.mlflow_log import MlflowLog
+    from app.sinks.mlflow import MlflowLog
 
     with pytest.raises(ConfigError, match=r"train\.mlflow_uri='bogus://x'"):
         MlflowLog("bogus://x", tmp_path / "run", "run", {})
@@ -141,9 +141,9 @@ def test_a_uri_mlflow_refuses_is_a_config_error_and_writes_nothing(tmp_path: Pat
 
 
 def test_report_counts_restarts_within_a_train_call_and_resumes_across_calls(tmp_path: Path) -> None:
-    from app.preflight import write_snapshot
-    from app.report import run_report
-    from app.run_files import RunLog
+    from app.rundir.files import RunLog
+    from app.train.preflight import write_snapshot
+    from app.train.report import run_report
 
     write_snapshot(load_config("configs/tiny-cpu.yaml"), tmp_path)
     first, second = RunLog(tmp_path, total_steps=4), RunLog(tmp_path, total_steps=4)
@@ -159,9 +159,9 @@ def test_report_counts_restarts_within_a_train_call_and_resumes_across_calls(tmp
 
 
 def test_report_says_when_the_profile_predicted_steps_far_off(tmp_path: Path) -> None:
-    from app.preflight import write_snapshot
-    from app.report import report_lines, run_report
-    from app.run_files import RunLog
+    from app.rundir.files import RunLog
+    from app.train.preflight import write_snapshot
+    from app.train.report import report_lines, run_report
 
     write_snapshot(load_config("configs/tiny-cpu.yaml"), tmp_path)
     log = RunLog(tmp_path, total_steps=3)

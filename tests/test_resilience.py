@@ -29,9 +29,9 @@ psutil = pytest.importorskip("psutil")
 
 from app.__main__ import main  # noqa: E402
 from app.config import ConfigError, load_config  # noqa: E402
-from app.driver import TrainSummary, train  # noqa: E402
-from app.preflight import recorded_step  # noqa: E402
-from app.report import run_report  # noqa: E402
+from app.train.driver import TrainSummary, train  # noqa: E402
+from app.train.preflight import recorded_step  # noqa: E402
+from app.train.report import run_report  # noqa: E402
 from tests.driver_process import SignaledDriver, Stopped  # noqa: E402
 from tests.run_configs import SMALL_VOCAB, scheduled_lrs, shuffled_chats, shuffled_step_ids  # noqa: E402
 
@@ -88,7 +88,7 @@ def _trained_step(run_dir: Path) -> int:
 
 
 def _group_starts(run_dir: Path) -> int:
-    """Worker group starts the driver has recorded (worker_starts.jsonl, app/run_files.py)."""
+    """Worker group starts the driver has recorded (worker_starts.jsonl, app/rundir/files.py)."""
     try:
         return len((run_dir / "worker_starts.jsonl").read_text().splitlines())
     except OSError:
@@ -99,7 +99,7 @@ class FaultInjector(threading.Thread):
     """Runs each (step, action) once the run has trained that step, in order.
 
     After each action it waits for the next worker group's start, which the driver appends to
-    worker_starts.jsonl (app/run_files.py), so that the next fault reaches the restarted group. A line the
+    worker_starts.jsonl (app/rundir/files.py), so that the next fault reaches the restarted group. A line the
     failed group wrote past its newest checkpoint could still trigger the next fault before the restarted
     group cuts it (workers/checkpoints.py cut_samples): the faults here are two steps apart, and a failed
     group records at most the step after its fault.
@@ -352,7 +352,7 @@ def test_the_command_printed_on_ctrl_c_resumes_the_run_to_its_end(interrupted: S
 
 
 def test_a_restart_or_resize_is_one_line_with_both_shapes() -> None:
-    from app.monitor import restart_line
+    from app.train.progress import restart_line
 
     before = {"step": 7, "dp_size": 2, "cp_size": 2, "spare_workers": 0, "resumed_from_step": 0}
     shrunk = {"step": 6, "dp_size": 1, "cp_size": 2, "spare_workers": 1, "resumed_from_step": 5}

@@ -23,8 +23,8 @@ from app.__main__ import main
 from app.config import ConfigError, DataConfig, load_config
 from app.data.fingerprint import HEAD_TAIL_BYTES, data_fingerprint
 from app.data.readers import resolve_source
-from app.preflight import CONFIG_SNAPSHOT, DATA_SNAPSHOT, check_resume, preflight, write_snapshot
-from app.run_lock import LOCK_FILE, FileLock, RunLocked, run_lock
+from app.rundir.lock import LOCK_FILE, FileLock, RunLocked, run_lock
+from app.train.preflight import CONFIG_SNAPSHOT, DATA_SNAPSHOT, check_resume, preflight, write_snapshot
 from workers.storage import Location, redact_text, redact_uri
 
 REPO = Path(__file__).resolve().parent.parent
@@ -111,7 +111,7 @@ def test_the_snapshot_holds_no_secret_and_resume_compares_redacted_uris(tmp_path
 
 # -- a rerun with nothing to resume ------------------------------------------------------------------------
 def _record_checkpoint(run_dir: Path, step: int) -> None:
-    """What Ray Train's controller writes once a checkpoint of `step` is complete (app/preflight.py)."""
+    """What Ray Train's controller writes once a checkpoint of `step` is complete (app/train/preflight.py)."""
     (run_dir / "checkpoint_manager_snapshot.json").write_text(
         json.dumps({"checkpoint_results": [{"metrics": {"step": step}}]}))
 

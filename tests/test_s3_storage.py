@@ -151,7 +151,7 @@ def test_aws_endpoint_url_from_the_environment_is_enough(s3: S3Server, monkeypat
 
 def test_preflight_names_the_key_of_an_unusable_store(s3: S3Server) -> None:
     from app.data.readers import resolve_source
-    from app.preflight import run_location
+    from app.train.preflight import run_location
 
     config = load_config("configs/tiny-cpu.yaml", [f"run.storage_path={s3.uri('runs', bucket='missing')}"])
     with pytest.raises(ConfigError, match=r"run\.storage_path=.*(NO_SUCH_BUCKET|does not exist).*"
@@ -209,8 +209,8 @@ def test_the_driver_mirror_keeps_driver_files_and_never_touches_the_workers(s3: 
 def test_a_config_error_of_a_new_s3_run_leaves_nothing_behind(s3: S3Server) -> None:
     """run_console's "nothing half-written" rule on a store: a new run is removed there and locally; an
     existing run keeps everything and gets the mirror copied in."""
-    from app.driver import run_console
-    from app.preflight import write_snapshot
+    from app.train.driver import run_console
+    from app.train.preflight import write_snapshot
     from workers.storage import pull_mirror
 
     config = load_config("configs/tiny-cpu.yaml")
@@ -252,7 +252,7 @@ def runs(s3: S3Server, local_ray, tmp_path_factory) -> dict[str, object]:
     """
     from pyarrow import fs
 
-    from app.driver import train
+    from app.train.driver import train
 
     data = tmp_path_factory.mktemp("synth")
     _synth_parquet(data, n=NUM_SAMPLES)
@@ -283,7 +283,7 @@ def test_a_run_on_s3_writes_its_checkpoints_samples_and_config_to_the_bucket(s3:
 
 
 def test_rerunning_the_name_resumes_from_the_buckets_checkpoint(s3: S3Server, runs) -> None:
-    from app.driver import train
+    from app.train.driver import train
 
     resumed = train(_run_config(s3, 4), progress=False, quiet=True)
     assert resumed.resumed_from_step == 2 and [h["step"] for h in resumed.history] == [3, 4]
@@ -310,13 +310,13 @@ def test_rerunning_the_name_resumes_from_the_buckets_checkpoint(s3: S3Server, ru
     assert any(k.startswith("runs/s3run/checkpoint_20") and "/step4/" in k for k in keys)  # the new one
 
 
-# -- one writer per run: the lease on the store (app/run_lock.py; the local lock: tests/test_run_safety.py) --
+# -- one writer per run: the lease on the store (app/rundir/lock.py; the local lock: test_run_safety.py) --
 def _lease_run(s3: S3Server) -> Location:
     return Location.of(s3.uri(f"lease-{time.monotonic_ns()}"))
 
 
 def test_a_second_holder_of_an_s3_run_is_refused_and_the_heartbeat_renews(s3: S3Server) -> None:
-    from app.run_lock import LEASE_FILE, Lease, RunLocked
+    from app.rundir.lock import LEASE_FILE, Lease, RunLocked
 
     run = _lease_run(s3)
     first = Lease(run, out=sys.stderr, heartbeat_s=0.2, settle_s=0.05)
@@ -337,7 +337,7 @@ def test_a_second_holder_of_an_s3_run_is_refused_and_the_heartbeat_renews(s3: S3
 def test_a_stale_s3_lease_is_taken_over_with_a_warning(s3: S3Server, capsys, holder: str) -> None:
     """Not renewed for longer than the bound (another host), or renewed just now by a process of this
     host that no longer exists."""
-    from app.run_lock import LEASE_FILE, LEASE_TIMEOUT_S, Lease
+    from app.rundir.lock import LEASE_FILE, LEASE_TIMEOUT_S, Lease
 
     run = _lease_run(s3)
     gone = subprocess.Popen(["true"])
@@ -356,7 +356,7 @@ def test_a_stale_s3_lease_is_taken_over_with_a_warning(s3: S3Server, capsys, hol
 
 
 def test_a_holder_whose_lease_was_taken_over_stops_and_leaves_it_alone(s3: S3Server) -> None:
-    from app.run_lock import LEASE_FILE, Lease
+    from app.rundir.lock import LEASE_FILE, Lease
 
     run, lost = _lease_run(s3), []
     lease = Lease(run, out=sys.stderr, on_lost=lambda: lost.append(True), settle_s=0.05)

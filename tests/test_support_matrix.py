@@ -11,7 +11,7 @@ one rank. All architectures share one spawn of the 2 ranks (run_parities): a spa
 of a tiny check's time.
 
 Windowed models (Gemma-3, Phi-3) get a window exactly as long as the longest sequence: the longest window
-app/model_support.py accepts, where a window off by one token from transformers' own would show.
+app/model/support.py accepts, where a window off by one token from transformers' own would show.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from app.__main__ import main
-from app.model_support import attention_problems, logit_problems
+from app.model.support import attention_problems, logit_problems
 from workers.tools.parity import TOLERANCE, ParitySpec, run_parities
 
 LENGTHS = (1, 2, 13, 5, 97, 40)

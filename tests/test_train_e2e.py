@@ -17,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from app.config import ConfigError, load_config  # noqa: E402
-from app.driver import train  # noqa: E402
+from app.train.driver import train  # noqa: E402
 from scheduling.holdout import held_out  # noqa: E402
 from tests.run_configs import scheduled_lrs  # noqa: E402
 

@@ -58,7 +58,7 @@ def _samples() -> list[Sample]:
 
 def _ds_config() -> dict:
     from app.config import load_config
-    from app.deepspeed_config import deepspeed_config
+    from app.model.deepspeed_config import deepspeed_config
 
     config = deepspeed_config(load_config(None, ["train.grad_clip=0"]).train, dtype="fp32", on_gpu=False)
     del config["optimizer"]  # the test passes plain SGD so that the update is the gradient

@@ -1,4 +1,4 @@
-"""The W&B sink (app/wandb_log.py) offline, without Ray and without a network.
+"""The W&B sink (app/sinks/wandb.py) offline, without Ray and without a network.
 
 WANDB_MODE=offline writes a run's whole record to <run_dir>/wandb/offline-run-*/run-<id>.wandb, the
 transaction log `wandb sync` uploads later. This wandb version ships no Python reader for it, so
@@ -115,7 +115,7 @@ STEPS = [{"step": step, "loss": 4.0 - step, "lr": 1e-3 * step, "session": "a", "
 
 
 def test_an_offline_run_holds_the_config_and_every_steps_metrics(tmp_path: Path, offline_wandb) -> None:
-    from app.wandb_log import WandbLog
+    from app.sinks.wandb import WandbLog
 
     run_dir, config = tmp_path / "run", load_config("configs/tiny-cpu.yaml").to_dict()
     log = WandbLog("skrull-test", "", run_dir, "tiny", config)
@@ -141,7 +141,7 @@ def test_an_offline_run_holds_the_config_and_every_steps_metrics(tmp_path: Path,
 
 
 def test_a_rerun_of_the_run_directory_continues_the_same_run_id(tmp_path: Path, offline_wandb) -> None:
-    from app.wandb_log import WandbLog
+    from app.sinks.wandb import WandbLog
 
     run_dir = tmp_path / "run"
     first = WandbLog("skrull-test", "", run_dir, "tiny", {"train": {"lr": 0.003}})
@@ -164,7 +164,7 @@ def test_a_rerun_of_the_run_directory_continues_the_same_run_id(tmp_path: Path, 
 def test_a_set_project_without_wandb_is_a_config_error_naming_the_key(monkeypatch) -> None:
     import importlib.util
 
-    from app.wandb_log import check_wandb
+    from app.sinks.wandb import check_wandb
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -176,7 +176,7 @@ def test_a_set_project_without_wandb_is_a_config_error_naming_the_key(monkeypatc
 
 def test_online_without_credentials_is_a_config_error_not_a_prompt(tmp_path: Path, offline_wandb,
                                                                      monkeypatch) -> None:
-    from app.wandb_log import WandbLog
+    from app.sinks.wandb import WandbLog
 
     monkeypatch.setenv("WANDB_MODE", "online")
     wandb.teardown()  # W&B reads the environment once per process
@@ -186,7 +186,7 @@ def test_online_without_credentials_is_a_config_error_not_a_prompt(tmp_path: Pat
 
 
 def test_a_failing_write_warns_once_and_training_goes_on(tmp_path: Path, offline_wandb, monkeypatch) -> None:
-    from app.wandb_log import WandbLog
+    from app.sinks.wandb import WandbLog
 
     out = io.StringIO()
     log = WandbLog("skrull-test", "", tmp_path / "run", "run", {}, out=out)
@@ -207,7 +207,7 @@ def test_a_failing_write_warns_once_and_training_goes_on(tmp_path: Path, offline
 
 def test_a_training_run_logs_its_config_and_every_step_to_wandb(tiny_run) -> None:
     """The suite's shared Ray run (tests/conftest.py `tiny_run`: train.wandb_project, WANDB_MODE=offline)."""
-    from app.preflight import CONFIG_SNAPSHOT
+    from app.train.preflight import CONFIG_SNAPSHOT
 
     summary, _ = tiny_run
     run_dir = Path(summary.run_dir)

@@ -60,7 +60,7 @@ RANK_TIMINGS = ("rank_wait_s", "rank_compute_s", "rank_cpu_s", "rank_predicted_b
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchSettings:
-    """What every worker of `bench train` needs, built by the driver (app/bench_driver.py)."""
+    """What every worker of `bench train` needs, built by the driver (app/bench/driver.py)."""
 
     worker: WorkerSettings
     """Model, DeepSpeed JSON, timeouts; total_steps counts the warm-up steps; its `planner` is unused."""

@@ -1,7 +1,7 @@
 """The DeepSpeed engine a worker trains with, and the typed shape of the config the driver generates.
 
-The driver generates the DeepSpeed JSON from the config tree (app/deepspeed_config.py); the TypedDicts here
-are the contract between the two, so a misspelled key is a type error rather than a setting DeepSpeed
+The driver generates the DeepSpeed JSON from the config tree (app/model/deepspeed_config.py); the TypedDicts
+here are the contract between the two, so a misspelled key is a type error rather than a setting DeepSpeed
 silently ignores.
 """
 

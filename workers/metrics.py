@@ -9,7 +9,7 @@ between two log steps never waits on a collective or a device-to-host copy for m
       loss              sum over ranks of CE sums / global label tokens
       step_s            max over ranks of (planner wait + compute)     (the step takes its slowest rank)
       predicted_step_s  the hardware profile's time of the step's plan (scheduling/simulate.py), which
-                        app/profile_check.py compares with step_s to say when the profile is stale
+                        app/profiling/stale_check.py compares with step_s to say when the profile is stale
       compute_imbalance max / mean over ranks of compute time
       planner_wait_s    max over ranks of planner wait
       tokens_per_s      global tokens / step_s

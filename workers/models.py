@@ -145,8 +145,8 @@ def apply_lora(model, config):
     Returns the transformers model itself (peft's `base_model.model`), not the PeftModel wrapper: the
     training path calls `get_decoder()` / `get_output_embeddings()` of the causal LM, and parameter names
     stay the model's own plus `.lora_A.default.weight` / `.lora_B.default.weight`, which is what the
-    checkpoints and the export (app/export.py, which rebuilds the wrapper to save peft's format) rely on.
-    The adapters are created after the seeded base weights, so every rank builds the same ones.
+    checkpoints and the export (app/model/export.py, which rebuilds the wrapper to save peft's format) rely
+    on. The adapters are created after the seeded base weights, so every rank builds the same ones.
     """
     from peft import get_peft_model
 

@@ -17,7 +17,7 @@ How a bad step is kept out of the weights, without a host sync on a good step:
    A good step costs nothing beyond DeepSpeed's own norm check: no collective and no host read of ours.
 
 Policies (train.nonfinite): `error` stops the run at the bad step (world rank 0 reports the step's metrics
-with a "stopped" message and every rank returns; app/run_failures.py turns it into exit 1 with that message,
+with a "stopped" message and every rank returns; app/train/failures.py turns it into exit 1 with that message,
 and Ray Train's FailureConfig never sees an error, so it never restarts into the same divergence); `skip`
 counts the step, warns, and stops the same way once train.max_skipped_steps steps in a row were skipped.
 """

@@ -15,7 +15,7 @@ newest. Layout and resume on another world size: workers/checkpoints.py.
 
 Stopping without an error: a non-finite step (workers/nonfinite.py) or a checkpoint that could not be
 written (disk full, quota, permission) ends the run on every rank alike: world rank 0 reports the window
-with a "stopped" message (the driver turns it into exit 1 with that line, app/run_failures.py) and every
+with a "stopped" message (the driver turns it into exit 1 with that line, app/train/failures.py) and every
 rank returns. Raising instead would make Ray Train restart the group (train.max_failures) into the same
 divergence or the same full disk, and print a traceback per worker.
 """

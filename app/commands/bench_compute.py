@@ -51,8 +51,8 @@ def _device_name(device) -> str:
 
 def measure(args: argparse.Namespace) -> dict:
     from app.commands.common import config_from_args
-    from app.hardware import cost_model
-    from app.model_args import model_spec
+    from app.model.spec import model_spec
+    from app.profiling.hardware import cost_model
     from scheduling.calibrate import fit_compute
     from workers.tools.profile_compute import compute_cases, measure_compute
 

@@ -3,10 +3,10 @@
     python -m app bench peer [--config configs/bench/cpu-lmsys.yaml] [--steps 4] [--rounds 2]
         [--trl-micro-batch 8] [--json] [--set key=value ...]
 
-Each round runs TRL (app/peer/trl_side.py: SFTTrainer, padding-free, one process) and then this project
-(app/peer/our_side.py: `bench train` of skrull and balanced_packed), each in a fresh process, so the
+Each round runs TRL (app/bench/peer/trl_side.py: SFTTrainer, padding-free, one process) and then this project
+(app/bench/peer/our_side.py: `bench train` of skrull and balanced_packed), each in a fresh process, so the
 rounds alternate T O T O ... and drift on the machine reaches both sides. Both train WARMUP_STEPS + --steps
-optimizer steps of the same global batches (app/peer/rows.py) from the same initial weights; the first
+optimizer steps of the same global batches (app/bench/peer/rows.py) from the same initial weights; the first
 step of every run is left out of the timings on both sides. Over the counted steps of all rounds:
 
     tokens_per_s        median tokens of a step / median step_s (bench train's formula), per side
@@ -40,8 +40,8 @@ from typing import Any
 
 from app.commands.common import add_config_arguments, add_json_argument, config_from_args
 from app.config import ConfigError, SkrullConfig
-from app.run_failures import RunFailed
-from app.run_files import jsonable
+from app.rundir.files import jsonable
+from app.train.failures import RunFailed
 
 DEFAULT_CONFIG = "configs/bench/cpu-lmsys.yaml"
 POLICIES = ("skrull", "balanced_packed")
@@ -61,8 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace, config: SkrullConfig) -> None:
     """Every bad argument as one ConfigError naming it, before anything runs."""
-    from app.peer.rows import step_batches
-    from app.peer.trl_side import check_micro_batch
+    from app.bench.peer.rows import step_batches
+    from app.bench.peer.trl_side import check_micro_batch
 
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps}: need at least one counted step")
@@ -81,9 +81,10 @@ def run(args: argparse.Namespace) -> int:
     load_start, started = _load(), time.perf_counter()
     rounds = []
     for index in range(1, args.rounds + 1):
-        trl = _side(args, out_dir, f"trl-{index}", "app.peer.trl_side",
+        trl = _side(args, out_dir, f"trl-{index}", "app.bench.peer.trl_side",
                     ["--micro-batch", str(args.trl_micro_batch)])
-        ours = _side(args, out_dir, f"ours-{index}", "app.peer.our_side", ["--policies", ",".join(POLICIES)])
+        ours = _side(args, out_dir, f"ours-{index}", "app.bench.peer.our_side",
+                     ["--policies", ",".join(POLICIES)])
         rounds.append({"trl": trl, "ours": ours})
     machine = {"cpus": os.cpu_count(), "load_avg_1_5_15_min": load_start, "load_avg_1_5_15_min_end": _load()}
     summary = summarize(rounds, wall_s=time.perf_counter() - started, machine=machine, out_dir=str(out_dir))

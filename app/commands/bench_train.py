@@ -7,7 +7,7 @@
 
 One Ray session and one worker group train every policy, interleaved step by step (A B C D, B C D A, ...:
 the order rotates each step, so no policy always runs first) after one warm-up step each, from identical
-weights on identical global batches (app/bench_driver.py, workers/bench_loop.py).
+weights on identical global batches (app/bench/driver.py, workers/bench_loop.py).
 Per policy, over the counted steps:
 
     step_s_median          median of step_s = max over ranks of (planner wait + compute), as `train` reports
@@ -27,8 +27,8 @@ Per policy, over the counted steps:
 
 Top level: `same_samples` (every policy trained the same sample ids at every step), `loss_max_rel_diff`
 (the largest relative loss difference from the first policy at any step), `stale_profile_warning` (the
-warning of app/profile_check.py when the profile's predictions are off by more than 30%, else null; also
-printed), `wall_s`, `machine` (cores,
+warning of app/profiling/stale_check.py when the profile's predictions are off by more than 30%, else null;
+also printed), `wall_s`, `machine` (cores,
 load average at start and end), `run_dir` (the log and bench_train.json, a copy of the --json line).
 Nothing heavy is imported until the command runs.
 """
@@ -44,10 +44,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.bench_summary import BASELINES, summarize
+from app.bench.summary import BASELINES, summarize
 from app.commands.common import add_config_arguments, add_json_argument, config_from_args
 from app.config import ConfigError
-from app.run_files import jsonable
+from app.rundir.files import jsonable
 
 DEFAULT_POLICIES = "skrull,balanced_packed,static_cp_packed,static_cp,sorted"
 
@@ -82,7 +82,7 @@ def check_plot_path(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.bench_driver import bench_train, check_policies
+    from app.bench.driver import bench_train, check_policies
 
     policies = check_policies(args.policies.split(","))
     if args.plot:

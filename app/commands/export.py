@@ -2,7 +2,7 @@
 
 Writes a Hugging Face model directory (config, safetensors weights, generation config, tokenizer files)
 consolidated from the run's ZeRO checkpoint; a LoRA run writes its peft adapter, or with --merge the merged
-model (app/export.py).
+model (app/model/export.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.export import export
+    from app.model.export import export
 
     # DeepSpeed's consolidation prints progress on stdout; keep stdout for the result (one JSON line).
     with contextlib.redirect_stdout(sys.stderr):

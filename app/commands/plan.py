@@ -17,9 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.hardware import cost_model
-    from app.model_support import check_model_support
-    from app.plan_report import degree_line, format_table, plan_dry_run, plot_ranks
+    from app.model.support import check_model_support
+    from app.profiling.hardware import cost_model
+    from app.profiling.plan_report import degree_line, format_table, plan_dry_run, plot_ranks
 
     config = config_from_args(args)
     check_model_support(config)  # a model the DACP attention cannot run, a vocabulary it cannot embed: exit 2
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         # "policies" first and unchanged: scripts read it; "too_long" says what data.too_long changed,
         # "data" what the rows read were (by row format, malformed by reason), "cp_degrees" the configured
-        # CP degrees against [1, N] and dynamic_cp (app/plan_report.py degree_summary)
+        # CP degrees against [1, N] and dynamic_cp (app/profiling/plan_report.py degree_summary)
         print(json.dumps({"policies": summary, "too_long": too_long.as_json(), "data": read,
                           "cp_degrees": degrees}))
         return 0

@@ -21,7 +21,7 @@ fits every term of the cost model (scheduling/cost.py) to what was measured:
     steps       --steps global batches of the run's lengths, planned by skrull, static_cp_packed and
                 static_cp, trained as whole steps (each timed in 3 rounds, the median kept) -> k =
                 measured / modeled (least squares in relative error), and every time term above is
-                scaled by k (app/profile_steps.py)
+                scaled by k (app/profiling/steps.py)
 
 Every fit's largest relative residual is printed; over 15% is a warning naming the term. Fields not
 measured here (peak_flops, inter-node links, gpus_per_node, device memory) keep the configured profile's
@@ -75,9 +75,9 @@ def compute_cases(max_tokens: int) -> tuple[tuple[tuple[int, ...], float], ...]:
 
 
 def _settings(config: Any, args: argparse.Namespace, steps: list[Any], on_gpu: bool) -> Any:
-    from app.deepspeed_config import deepspeed_config
-    from app.hardware import cost_model
-    from app.model_args import model_spec
+    from app.model.deepspeed_config import deepspeed_config
+    from app.model.spec import model_spec
+    from app.profiling.hardware import cost_model
     from workers.tools.profile_run import ProfileSettings
 
     max_tokens = args.max_tokens or config.scheduling.bucket_size
@@ -115,7 +115,7 @@ def _measuring_config(config: Any, world: int, storage: str) -> Any:
 
 
 def measure(config: Any, args: argparse.Namespace) -> tuple[dict, list[Any]]:
-    """The workers' raw measurements, and the whole steps they trained (app/profile_steps.py).
+    """The workers' raw measurements, and the whole steps they trained (app/profiling/steps.py).
 
     The measurements run in a Ray Train worker group started like `train`'s (workers/tools/profile_run.py
     says why); the libraries' output goes to a scratch log, printed only if the measurement fails."""
@@ -123,12 +123,12 @@ def measure(config: Any, args: argparse.Namespace) -> tuple[dict, list[Any]]:
 
     import ray
 
-    from app.console import captured_output
-    from app.driver import make_trainer, on_this_node, ray_session
-    from app.hardware import cost_model
-    from app.preflight import check_cluster_fits
-    from app.profile_steps import planned_steps
-    from app.run_monitor import RunMonitor
+    from app.profiling.hardware import cost_model
+    from app.profiling.steps import planned_steps
+    from app.train.console import captured_output
+    from app.train.driver import make_trainer, on_this_node, ray_session
+    from app.train.preflight import check_cluster_fits
+    from app.train.run_monitor import RunMonitor
     from workers.tools.profile_run import profile_loop_per_worker
 
     world = _world_size(config)
@@ -159,8 +159,8 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
     """(measured profile fields, largest relative residual per fit) from profile_rank's rows.
 
     With whole `steps` measured, every time term is then scaled by their measured / modeled factor
-    (app/profile_steps.py); raw["step_fit"] records the factor and the step residual before it."""
-    from app.hardware import cost_model
+    (app/profiling/steps.py); raw["step_fit"] records the factor and the step residual before it."""
+    from app.profiling.hardware import cost_model
     from scheduling.calibrate import fit_compute, fit_linear, fit_two_regime
 
     cost = cost_model(config)
@@ -196,7 +196,7 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
     fields["activation_bytes_per_hidden"] = max(memory.slope, 1.0) / (cost.num_layers * cost.hidden_size)
     residuals["memory"] = memory.max_rel_residual
     if steps and raw.get("steps"):
-        from app.profile_steps import fit_steps, fitted_cost, scaled_fields
+        from app.profiling.steps import fit_steps, fitted_cost, scaled_fields
 
         fit = fit_steps(list(steps), raw["steps"], fitted_cost(cost, fields))
         fields = scaled_fields(fields, fit.scale)
@@ -209,7 +209,7 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
 
 def _bucket_size(config: Any, raw: dict, fields: dict[str, float]) -> int | None:
     """C = (memory per worker - weights, gradients, Adam states) / activation bytes per token."""
-    from app.hardware import cost_model
+    from app.profiling.hardware import cost_model
     from scheduling.cost import bucket_size_from_memory
 
     cost = cost_model(config)
@@ -232,7 +232,7 @@ def profile_yaml(config: Any, raw: dict, fields: dict[str, float], residuals: di
     """The configured profile with the measured fields replaced, headed by how and when it was made."""
     import dataclasses
 
-    from app.hardware import cost_model
+    from app.profiling.hardware import cost_model
 
     base = dataclasses.asdict(cost_model(config).profile)
     values = {**base, **fields, "name": name}

@@ -1,6 +1,6 @@
 """`python -m app report RUN_DIR [--plot out.png] [--json]`: a finished or running run in one screen.
 
-Needs nothing but the run directory (app/report.py reads what the driver persisted there); never
+Needs nothing but the run directory (app/train/report.py reads what the driver persisted there); never
 imports torch, Ray or DeepSpeed.
 """
 
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.report import report_lines, run_report, write_plot
+    from app.train.report import report_lines, run_report, write_plot
 
     report = run_report(args.run_dir)
     if args.plot:

@@ -35,7 +35,7 @@ def resume_command(args: argparse.Namespace, name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.driver import RunInterrupted, train
+    from app.train.driver import RunInterrupted, train
     from workers.storage import redact_text
 
     config = config_from_args(args)

@@ -116,7 +116,7 @@ def _check_memory(args: argparse.Namespace, cfg: SkrullConfig, model: str, lengt
     """The estimate line to print; ConfigError (asking for --force) when it exceeds available memory."""
     import psutil
 
-    from app.hardware import model_dims
+    from app.profiling.hardware import model_dims
 
     dims_model = dataclasses.replace(cfg.model, name_or_path=model)
     dims = model_dims(dataclasses.replace(dims_model, vocab_size=dims_model.vocab_size or 1))
@@ -133,10 +133,10 @@ def _check_memory(args: argparse.Namespace, cfg: SkrullConfig, model: str, lengt
 
 def refuse_unsupported_model(cfg: SkrullConfig, model: str, lengths: tuple[int, ...]) -> None:
     """ConfigError naming --model and every feature the DACP path cannot compute at these lengths
-    (app/model_support.py: a sliding window shorter than the longest, soft-capping, ...), before any
+    (app/model/support.py: a sliding window shorter than the longest, soft-capping, ...), before any
     process starts: the ranks would raise mid-run or the reference refuse (transformers has no sdpa
     Gemma-2), a traceback instead of an answer."""
-    from app.model_support import attention_problems, logit_problems, model_config_dict
+    from app.model.support import attention_problems, logit_problems, model_config_dict
 
     hf = model_config_dict(dataclasses.replace(cfg.model, name_or_path=model))
     problems = attention_problems(hf, max(lengths)) + logit_problems(hf) if hf else []

@@ -141,7 +141,7 @@ def _load_qwen() -> TextTokenizer:
         name="qwen", backend=backend, kind="tiktoken",
         im_start_id=QWEN_SPECIAL_IDS[IM_START], im_end_id=QWEN_SPECIAL_IDS[IM_END],
         eos_id=QWEN_SPECIAL_IDS[END_OF_TEXT], vocab_size=backend._tokenizer.n_vocab,
-        # As the exported tokenizer has them with a chat template (app/export_tokenizer.py)
+        # As the exported tokenizer has them with a chat template (app/model/export_tokenizer.py)
         template_vars={"eos_token": IM_END, "pad_token": END_OF_TEXT},
         added_tokens={text: (token_id, True) for text, token_id in special.items()},
     )

@@ -55,7 +55,7 @@ def dacp_attention_forward(
     window = kwargs.get("sliding_window")
     if window and window < index.layout.shortest_longest_sequence:
         # A window at least as long as every sequence is full causal attention: such models pass preflight
-        # (app/model_support.py refuses shorter windows before Ray starts); this is the safety net.
+        # (app/model/support.py refuses shorter windows before Ray starts); this is the safety net.
         longest = index.layout.shortest_longest_sequence
         raise ValueError(f"the dacp attention has no sliding window: a {window}-token window is shorter "
                          f"than a {longest}-token sequence of this micro-batch")

@@ -117,7 +117,7 @@ def measure_grad_reduce(num_params: int, group: dist.ProcessGroup, *, dtype: tor
     """Time of one micro-batch's ZeRO-2 gradient reduction of `num_params` `dtype` elements over `group`.
 
     What DeepSpeed 0.19.8 runs (deepspeed/runtime/zero/stage_1_and_2.py, ZeRO stage 2 with
-    contiguous_gradients and reduce_scatter=True, the config app/deepspeed_config.py generates):
+    contiguous_gradients and reduce_scatter=True, the config app/model/deepspeed_config.py generates):
     - every micro-batch, not only at the accumulation boundary: each gradient hook calls
       `reduce_ready_partitions_and_remove_grads` (l. 2293), which reduces whenever partition_gradients
       (stage 2) is on;

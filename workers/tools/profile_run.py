@@ -1,7 +1,7 @@
 """The measurements behind `python -m app profile`, run on every worker of a Ray Train worker group.
 
 `profile_loop_per_worker` is a Ray Train loop: `profile` starts the same TorchTrainer as `train`
-(app/driver.py `make_trainer`: same resources per worker, process group backend and timeouts), so every
+(app/train/driver.py `make_trainer`: same resources per worker, process group backend and timeouts), so every
 number below is taken in the process tree training runs in. That matters on a small host: Ray starts its
 workers at a lower scheduling priority than its own daemons (raylet's worker_niceness, 15) and beside
 them, and the same planned steps took 11-29% longer in Ray Train workers than in plain
@@ -21,7 +21,7 @@ and, all ranks at once as in training (on a CPU host they share its cores, as tr
     optimizer   DeepSpeed's `engine.step()` (ZeRO-2 partitioned Adam + parameter all-gather)
     memory      peak memory of forward+backward above the memory before it, per stream size
     steps       whole training steps (`run_step`: every micro-batch of a planned payload, then the
-                optimizer step) of the payloads app/profile_steps.py planned, after one untimed step;
+                optimizer step) of the payloads app/profiling/steps.py planned, after one untimed step;
                 per step the median over rounds of the slowest rank's time
 
 The returned rows are raw: app/commands/profile.py fits them into a hardware profile.
@@ -226,7 +226,7 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
 
 def profile_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """`profile_rank` in a Ray Train worker (the torch backend made the world group); every rank reports,
-    and world rank 0's rows reach the driver as the one record of app/run_monitor.py's RunMonitor."""
+    and world rank 0's rows reach the driver as the one record of app/train/run_monitor.py's RunMonitor."""
     import ray.train
 
     context = ray.train.get_context()

@@ -7,7 +7,7 @@
            (workers/bench_loop.py)
         ─▶ BenchRun: every (policy, step) record, the wall time, the machine's load
 
-Everything but the worker loop is `train`'s own driver code (app/driver.py): the same Ray session and
+Everything but the worker loop is `train`'s own driver code (app/train/driver.py): the same Ray session and
 resource reservations (every planner actor reserves resources.planner_cpus, 0 by default, so four
 planners fit on 2 cores beside the two workers and Ray Data), the same worker settings and trainer, the
 same progress bar and quiet console (the libraries' output goes to <run_dir>/logs/driver.log).
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from app.config import ConfigError, SkrullConfig
-from app.preflight import preflight, run_directory, write_snapshot
+from app.train.preflight import preflight, run_directory, write_snapshot
 
 WARMUP_STEPS = 1
 """Steps every policy runs first and the summary leaves out (engine and allocator warm-up, first plans)."""
@@ -91,7 +91,7 @@ def bench_train(config: SkrullConfig, policies: Sequence[str], steps: int, *, pr
     quiet: the libraries' output goes to <run_dir>/logs/driver.log; on a ConfigError the run directory is
     removed again, so bad input leaves nothing behind.
     """
-    from app.driver import run_console
+    from app.train.driver import run_console
 
     names = check_policies(policies)
     check_bench_config(config, steps)
@@ -116,7 +116,7 @@ def _with_policy(config: SkrullConfig, policy: str) -> SkrullConfig:
 def _run(config: SkrullConfig, policies: tuple[str, ...], steps: int, name: str, run_dir: Path, *,
          progress: bool, worker_logs: bool, out: TextIO) -> list[dict[str, Any]]:
     """Ray session, data, one planner per policy, the worker group; returns every (step, policy) record."""
-    from app.driver import (
+    from app.train.driver import (
         fit_with_progress,
         make_trainer,
         on_this_node,
@@ -125,7 +125,7 @@ def _run(config: SkrullConfig, policies: tuple[str, ...], steps: int, name: str,
         ray_session,
         worker_settings,
     )
-    from app.run_monitor import RunMonitor
+    from app.train.run_monitor import RunMonitor
     from workers.bench_loop import BenchSettings, bench_loop_per_worker
 
     total = WARMUP_STEPS + steps

@@ -1,7 +1,7 @@
-"""`bench train`'s report of a BenchRun (app/bench_driver.py): one row per policy over its counted steps.
+"""`bench train`'s report of a BenchRun (app/bench/driver.py): one row per policy over its counted steps.
 
 The keys are `python -m app bench train`'s public --json fields (app/commands/bench_train.py lists them);
-`bench peer` (app/peer/our_side.py) reuses the same summary.
+`bench peer` (app/bench/peer/our_side.py) reuses the same summary.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ BASELINES = ("balanced_packed", "static_cp_packed", "static_cp", "sorted", "dyna
 
 
 def summarize(result: Any) -> dict[str, Any]:
-    """The report of a BenchRun (app/bench_driver.py): one row per policy over its counted steps."""
+    """The report of a BenchRun (app/bench/driver.py): one row per policy over its counted steps."""
     counted = [r for r in result.records if not r["warmup"]]
     rows = {p: _policy_row([r for r in counted if r["policy"] == p]) for p in result.policies}
     for row in rows.values():
@@ -39,10 +39,10 @@ def summarize(result: Any) -> dict[str, Any]:
 
 
 def _stale_profile(counted: list[dict[str, Any]], config: Any, run_dir: str) -> str | None:
-    """app/profile_check.py over the first STALE_STEPS counted steps of every policy, pooled: every
+    """app/profiling/stale_check.py over the first STALE_STEPS counted steps of every policy, pooled: every
     policy's plans are predicted by the same profile; None when the profile is fresh."""
-    from app.preflight import CONFIG_SNAPSHOT
-    from app.profile_check import STALE_STEPS, STALE_TOLERANCE, median_ratio, stale_warning
+    from app.profiling.stale_check import STALE_STEPS, STALE_TOLERANCE, median_ratio, stale_warning
+    from app.train.preflight import CONFIG_SNAPSHOT
 
     by_policy: dict[str, list[dict[str, Any]]] = {}
     for record in counted:

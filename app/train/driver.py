@@ -5,7 +5,7 @@
         ─▶ TorchTrainer(train_loop_per_worker).fit() ─▶ TrainSummary
 
 The dataset is tokenized once per run: the scan and the planner's stream read the same materialized blocks
-(the object store spills them to disk when they outgrow memory). `bench train` (app/bench_driver.py) runs
+(the object store spills them to disk when they outgrow memory). `bench train` (app/bench/driver.py) runs
 the same pieces: prepared_dataset, planner_actor, worker_settings, make_trainer, fit_with_progress.
 
 Resources on a small machine: Ray Data's file-listing task needs one whole CPU even when every worker holds
@@ -32,10 +32,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from app.config import ConfigError, SkrullConfig, TrainConfig
-from app.preflight import CONFIG_SNAPSHOT, check_resume, preflight, run_name, run_storage, write_snapshot
-from app.resume_checkpoints import set_aside_unloadable_checkpoints
-from app.run_failures import one_line_failures
-from app.run_lock import run_lock
+from app.rundir.lock import run_lock
+from app.rundir.resume_checkpoints import set_aside_unloadable_checkpoints
+from app.train.failures import one_line_failures
+from app.train.preflight import (
+    CONFIG_SNAPSHOT,
+    check_resume,
+    preflight,
+    run_name,
+    run_storage,
+    write_snapshot,
+)
 from workers.storage import Location, pull_mirror, push_mirror
 
 
@@ -62,7 +69,7 @@ class TrainSummary:
 
     def to_json_dict(self) -> dict[str, Any]:
         """The public `train --json` summary: the totals, without the per-step history."""
-        from app.run_files import jsonable
+        from app.rundir.files import jsonable
 
         result = asdict(self)
         del result["history"]
@@ -125,7 +132,7 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[b
     if previous:
         ray.init(address=previous, log_to_driver=worker_logs)
     else:
-        from app.preflight import check_embedded_cpus
+        from app.train.preflight import check_embedded_cpus
 
         num_cpus = config.resources.num_cpus or (os.cpu_count() or 1) + 2
         check_embedded_cpus(config, num_cpus)
@@ -228,7 +235,7 @@ def planner_actor(config: SkrullConfig, dataset: Any, total_steps: int, name: st
     is data.eval_path's materialized rows (PreparedData.eval_dataset), the eval set instead of the
     held-out rows, planned in stream order.
     """
-    from app.hardware import cost_model
+    from app.profiling.hardware import cost_model
     from scheduling.actor import PlannerActor, PlannerSettings
 
     sched, par = config.scheduling, config.parallel
@@ -260,8 +267,8 @@ def on_this_node() -> Any:
 
 def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_steps: int, run_dir: str) -> Any:
     """The workers' WorkerSettings (model, DeepSpeed JSON, timeouts) from the config tree."""
-    from app.deepspeed_config import deepspeed_config
-    from app.model_args import model_spec
+    from app.model.deepspeed_config import deepspeed_config
+    from app.model.spec import model_spec
     from workers.nonfinite import NonFinitePolicy
     from workers.train_loop import WorkerSettings
 
@@ -310,7 +317,7 @@ def make_trainer(config: SkrullConfig, settings: Any, name: str, monitor: Any,
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from app.monitor import ProgressCallback
+    from app.train.progress import ProgressCallback
     from workers.loopback import LoopbackTorchConfig
     from workers.train_loop import train_loop_per_worker
 
@@ -350,14 +357,14 @@ def _run_location(config: SkrullConfig, name: str) -> Location:
     return Location.of(config.run.storage_path) / name
 
 
-@one_line_failures  # a stopped run or a storage error: RunFailed, one line (app/run_failures.py)
+@one_line_failures  # a stopped run or a storage error: RunFailed, one line (app/train/failures.py)
 def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, worker_logs: bool = True,
           out: TextIO | None = None) -> TrainSummary:
     """Run a whole training job; raises ConfigError (or a subclass) on bad input before workers start.
 
-    quiet: everything the libraries print goes to <run_dir>/logs/driver.log (app/console.py) and the
+    quiet: everything the libraries print goes to <run_dir>/logs/driver.log (app/train/console.py) and the
     terminal shows only the data summary, the progress bar and warnings; `out` is where those go.
-    Ctrl-C and SIGTERM stop the call alike (RunInterrupted). The run's lock (app/run_lock.py) is held
+    Ctrl-C and SIGTERM stop the call alike (RunInterrupted). The run's lock (app/rundir/lock.py) is held
     from before its first write to the end: a second call on the same run stops with RunLocked.
     """
     name = run_name(config)
@@ -377,7 +384,7 @@ def _train_locked(config: SkrullConfig, name: str, *, progress: bool, quiet: boo
     run = run_storage(config, name)
     existed = run.exists()
     with run_lock(run, out=out, on_lost=_thread.interrupt_main):  # a lost lease stops the call (Ctrl-C)
-        set_aside_unloadable_checkpoints(run)  # app/resume_checkpoints.py: resume only what loads
+        set_aside_unloadable_checkpoints(run)  # app/rundir/resume_checkpoints.py: resume only what loads
         resuming = check_resume(config, run, data)
         if write_snapshot(config, run, data, fresh=not resuming):
             print(f"run {name!r} has no complete checkpoint to resume: it starts fresh with this config "
@@ -392,7 +399,7 @@ def _train_locked(config: SkrullConfig, name: str, *, progress: bool, quiet: boo
 
 def _log_example_row(config: SkrullConfig, dataset: Any) -> None:
     """One training row, decoded, loss-bearing text in [[ ]], to stdout: the run's log under a quiet terminal
-    (app/console.py), so what the model trains on is on record without cluttering the terminal."""
+    (app/train/console.py), so what the model trains on is on record without cluttering the terminal."""
     from app.data.preview import first_usable_example
     from app.data.tokenizer import load_tokenizer
 
@@ -412,7 +419,7 @@ def run_console(run_dir: Path, *, quiet: bool, out: TextIO | None, existed: bool
     object store), `run_dir` is its local mirror: copied into `remote` at the end, whatever the outcome,
     except after a ConfigError of a new run, which removes `remote` too.
     """
-    from app.console import captured_output
+    from app.train.console import captured_output
 
     log = run_dir / "logs" / "driver.log"
     capture = captured_output(log) if quiet else contextlib.nullcontext(out)
@@ -464,7 +471,7 @@ def _fit(config: SkrullConfig, name: str, run_dir: Path, *, progress: bool, out:
     """
     import ray
 
-    from app.run_monitor import RunMonitor
+    from app.train.run_monitor import RunMonitor
 
     data = prepared_data(config, progress=progress, out=out, embedded=embedded, run_dir=run_dir)
     total_steps = _total_steps(config, data.usable_rows)
@@ -515,13 +522,13 @@ def prepared_data(config: SkrullConfig, *, progress: bool, out: TextIO, embedded
     `planners`: how many planner actors the run starts (each reserves resources.planner_cpus).
     data.eval_path is tokenized and scanned the same way (its errors name data.eval_path); an eval set
     without a sample is a ConfigError (app/data/split.py). With `run_dir`, the data summary is also
-    written to <run_dir>/data_summary.json (app/run_files.py; `report` shows it).
+    written to <run_dir>/data_summary.json (app/rundir/files.py; `report` shows it).
     """
     import ray
 
     from app.data.pipeline import scan_dataset, tokenized_dataset
     from app.data.split import split_counts
-    from app.preflight import check_cluster_fits, check_epoch_fits
+    from app.train.preflight import check_cluster_fits, check_epoch_fits
 
     resources = dataclasses.replace(config.resources, planner_cpus=config.resources.planner_cpus * planners)
     sized = dataclasses.replace(config, resources=resources)
@@ -541,7 +548,7 @@ def prepared_data(config: SkrullConfig, *, progress: bool, out: TextIO, embedded
               f"{counts.train_rows} train", file=out, flush=True)
     check_epoch_fits(config, counts.train_rows)
     if run_dir is not None:
-        from app.run_files import data_summary, write_data_summary
+        from app.rundir.files import data_summary, write_data_summary
 
         summary = data_summary(scan, train_rows=counts.train_rows, eval_rows=counts.eval_rows)
         write_data_summary(run_dir, summary)
@@ -570,8 +577,9 @@ def _eval_path_dataset(config: SkrullConfig, *, progress: bool, out: TextIO) -> 
 
 
 def _stale_profile_check(config: SkrullConfig, run_dir: Path, total_steps: int) -> Any:
-    """The run's stale-profile check (app/profile_check.py); `profile` takes the run's saved config."""
-    from app.profile_check import StaleProfileCheck
+    """The run's stale-profile check (app/profiling/stale_check.py); `profile` takes the run's saved
+    config."""
+    from app.profiling.stale_check import StaleProfileCheck
 
     return StaleProfileCheck(profile=config.hardware.profile, config=str(run_dir / CONFIG_SNAPSHOT),
                              total_steps=total_steps)
@@ -582,18 +590,18 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
                       run_name: str | None = None) -> tuple[Any, list[dict[str, Any]]]:
     """trainer.fit() (Ctrl-C stays the driver's) under a progress bar fed by `monitor`; with `run_dir`,
     every record also goes to <run_dir>/metrics.jsonl and each group start to worker_starts.jsonl
-    (app/run_files.py), to <run_dir>/tensorboard/ (app/tensorboard_log.py), with train.mlflow_uri to
-    MLflow (app/mlflow_log.py) and with train.wandb_project to W&B (app/wandb_log.py), as the run
+    (app/rundir/files.py), to <run_dir>/tensorboard/ (app/sinks/tensorboard.py), with train.mlflow_uri to
+    MLflow (app/sinks/mlflow.py) and with train.wandb_project to W&B (app/sinks/wandb.py), as the run
     `run_name` (default: run_dir's name).
 
     Returns (Ray Train's result, every reported record in order).
     """
-    from app.mlflow_log import MlflowLog
-    from app.monitor import ProgressBar
-    from app.preflight import snapshot_record
-    from app.run_files import RunLog
-    from app.tensorboard_log import TensorBoardLog
-    from app.wandb_log import WandbLog
+    from app.rundir.files import RunLog
+    from app.sinks.mlflow import MlflowLog
+    from app.sinks.tensorboard import TensorBoardLog
+    from app.sinks.wandb import WandbLog
+    from app.train.preflight import snapshot_record
+    from app.train.progress import ProgressBar
 
     # ray.train.report is a barrier of Ray Train's own (not torch's), without a timeout by default: a peer
     # hung between two collectives would hang it. It reads its timeout from this variable, which Ray Train
@@ -616,7 +624,7 @@ def fit_with_progress(config: SkrullConfig, trainer: Any, monitor: Any, total_st
             raise
     sinks = tuple(sink.record if isinstance(sink, RunLog) else sink.write
                   for sink in (run_log, log, tracking, wandb_log) if sink is not None)
-    # bench train (no run_dir here) judges its counted steps itself, without warm-up (app/bench_summary.py)
+    # bench train (no run_dir here) judges its counted steps itself, without warm-up (app/bench/summary.py)
     stale_check = (_stale_profile_check(config, run_dir, total_steps),) if run_dir is not None else ()
     status = "FAILED"
     try:

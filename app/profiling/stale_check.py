@@ -9,7 +9,7 @@ run's length when shorter):
 
 A stale profile plans with the wrong trade-off between FLOPs, the ring and the per-micro-batch cost, so
 one warning names hardware.profile and the `profile` command that measures this machine again. `train`
-checks while it runs (a ProgressBar line sink, app/monitor.py), `bench train` on its counted steps.
+checks while it runs (a ProgressBar line sink, app/train/progress.py), `bench train` on its counted steps.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Every reported step's metrics as TensorBoard scalars under <run_dir>/tensorboard/ (always on).
 
-The driver's progress bar receives each step's metrics (world rank 0's, app/monitor.py) and hands them
+The driver's progress bar receives each step's metrics (world rank 0's, app/train/progress.py) and hands them
 here; `tensorboard --logdir runs` then shows every run's curves. Written with torch's SummaryWriter (the
 event-file format tensorboard reads); nothing runs on the workers. Every numeric key of the record becomes a
 tag (loss, mfu, padding_fraction, eval_loss when reported, ...); lists such as rank_compute_s are left to
-metrics.jsonl (app/run_files.py). Added here, from the same record:
+metrics.jsonl (app/rundir/files.py). Added here, from the same record:
 
     tokens_per_s_per_worker = tokens_per_s / (dp_size * cp_size + spare_workers)
 """

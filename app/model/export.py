@@ -8,7 +8,7 @@
     LoRA run : peft wrapper around the rebuilt base, adapter weights loaded (the checkpoint holds only them)
                ─▶ save_pretrained: adapter_config.json + adapter_model.safetensors (peft format)
                --merge: merge_and_unload ─▶ the merged model, as a full run's
-    + the tokenizer files (app/export_tokenizer.py)
+    + the tokenizer files (app/model/export_tokenizer.py)
 
 Written into a staging directory next to --out and renamed to --out only when complete: an error leaves
 nothing behind. Every user mistake is a ConfigError naming the argument to change.
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import ConfigError, SkrullConfig, load_config
-from app.preflight import CONFIG_SNAPSHOT
+from app.train.preflight import CONFIG_SNAPSHOT
 
 STANDARD_ATTENTION = "sdpa"
 """What the exported model runs with: transformers' own attention, so no "dacp" registration is needed."""
@@ -107,7 +107,7 @@ def trained_model(config: SkrullConfig, state: dict[str, Any], *, attn: str = ST
     """
     from peft import get_peft_model
 
-    from app.model_args import model_spec
+    from app.model.spec import model_spec
     from workers.models import lora_config
 
     spec = model_spec(config.model, config.train, tokenizer=config.data.tokenizer)
@@ -143,10 +143,10 @@ def _prepare_for_inference(model: Any, dtype: str, tokenizer: Any) -> Any:
 
 
 def _trained_template(run_dir: str, config: Any) -> str | None:
-    """The template text the run recorded at its start (app/preflight.py TEMPLATE_SNAPSHOT); a run from
+    """The template text the run recorded at its start (app/train/preflight.py TEMPLATE_SNAPSHOT); a run from
     before that record resolves data.chat_template again."""
-    from app.export_tokenizer import run_chat_template
-    from app.preflight import TEMPLATE_SNAPSHOT
+    from app.model.export_tokenizer import run_chat_template
+    from app.train.preflight import TEMPLATE_SNAPSHOT
     from workers.storage import Location
 
     recorded = Location.of(run_dir) / TEMPLATE_SNAPSHOT
@@ -158,7 +158,7 @@ def _trained_template(run_dir: str, config: Any) -> str | None:
 def export(run_dir: str, out: str, *, checkpoint: str = "latest", dtype: str | None = None,
            merge: bool = False) -> ExportResult:
     """Write the export into `out` (see the module docstring); returns what was written."""
-    from app.export_tokenizer import save_tokenizer
+    from app.model.export_tokenizer import save_tokenizer
     from workers.models import DTYPES
 
     if dtype not in (None, "fp32", "bf16"):

@@ -1,15 +1,16 @@
-"""One `bench train` run of this project's policies, reported in the TRL side's form (app/peer/trl_side.py).
+"""One `bench train` run of this project's policies, reported in the TRL side's form
+(app/bench/peer/trl_side.py).
 
-    python -m app.peer.our_side --config configs/bench/cpu-lmsys.yaml --steps 4 --out r.json
+    python -m app.bench.peer.our_side --config configs/bench/cpu-lmsys.yaml --steps 4 --out r.json
         [--policies skrull,balanced_packed] [--set key=value ...]
 
-The existing machinery trains: app/bench_driver.py's `bench_train` (one Ray session, one Ray Train worker
+The existing machinery trains: app/bench/driver.py's `bench_train` (one Ray session, one Ray Train worker
 group of parallel.num_workers ranks, DP x CP from the config, the policies interleaved step by step after
 one warm-up step each, every engine from the same seed). Per policy and step (warm-up first) the JSON
 holds bench train's own step_s (the slowest rank's planner wait + forward, backward and optimizer step),
 cpu_s (the CPU seconds of every worker process over its fetch and step, summed over ranks), loss (the
 global batch's summed CE / its label tokens), grad_norm, tokens and sample ids; `summary` is bench
-train's summary of the counted steps (app/bench_summary.py), minus per-step detail.
+train's summary of the counted steps (app/bench/summary.py), minus per-step detail.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from app.bench.peer.rows import WARMUP_STEPS, check_peer_config
 from app.config import SkrullConfig, load_config
-from app.peer.rows import WARMUP_STEPS, check_peer_config
-from app.run_files import jsonable
+from app.rundir.files import jsonable
 
 POLICIES = ("skrull", "balanced_packed")
 STEP_KEYS = ("step", "warmup", "step_s", "loss", "grad_norm", "tokens", "label_tokens", "sample_ids",
@@ -30,9 +31,9 @@ STEP_KEYS = ("step", "warmup", "step_s", "loss", "grad_norm", "tokens", "label_t
 
 def run_ours(config: SkrullConfig, steps: int, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
     """bench train of `policies` on WARMUP_STEPS + `steps` global batches; every step of every policy."""
-    from app.bench_driver import WARMUP_STEPS as BENCH_WARMUP
-    from app.bench_driver import bench_train
-    from app.bench_summary import summarize
+    from app.bench.driver import WARMUP_STEPS as BENCH_WARMUP
+    from app.bench.driver import bench_train
+    from app.bench.summary import summarize
 
     check_peer_config(config)
     if BENCH_WARMUP != WARMUP_STEPS:  # both sides must leave out the same leading steps
@@ -70,7 +71,8 @@ def _step(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.peer.our_side", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m app.bench.peer.our_side", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--steps", type=int, required=True, help="counted steps, after the warm-up")

@@ -1,6 +1,6 @@
 """`report RUN_DIR`: a finished or running run in one screen, from its run directory alone.
 
-Reads what the driver persists as the run goes (app/run_files.py): metrics.jsonl (every reported step),
+Reads what the driver persists as the run goes (app/rundir/files.py): metrics.jsonl (every reported step),
 worker_starts.jsonl, data_summary.json and the config snapshot. A step reported twice (a restarted
 worker group re-trains the steps after its checkpoint) counts once, with its last record, as in the
 `train` summary; so `history` equals `train`'s TrainSummary.history (NaN written as null).
@@ -18,8 +18,8 @@ worker group re-trains the steps after its checkpoint) counts once, with its las
     tokens_per_s (all tokens / all step time, as `train` prints it), tokens_per_s_median,
     tokens_per_s_per_worker_median, step_s_median, mfu_median, padding_fraction_mean,
     predicted_step_s_median (the hardware profile's time of the steps' plans), profile_ratio (median of
-    predicted / measured step time over the first steps: app/profile_check.py; off by more than 30%, the
-    profile is stale),
+    predicted / measured step time over the first steps: app/profiling/stale_check.py; off by more than 30%,
+    the profile is stale),
     compute_imbalance_median, compute_imbalance_max,
     planner_ahead_steps_median, planner_ahead_steps_min, planner_wait_s_median, plan_ms_median,
     starts (worker-group starts), restarts (starts beyond the first of each `train` call: failures and
@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from app.config import ConfigError
-from app.profile_check import STALE_STEPS, STALE_TOLERANCE, median_ratio
-from app.run_files import is_run_dir, read_run
-from app.tensorboard_log import scalars
+from app.profiling.stale_check import STALE_STEPS, STALE_TOLERANCE, median_ratio
+from app.rundir.files import is_run_dir, read_run
+from app.sinks.tensorboard import scalars
 
 SPARK = "▁▂▃▄▅▆▇█"
 LOSS_SPIKE_FACTOR = 10.0
@@ -74,7 +74,7 @@ def _finite(value: Any) -> bool:
 
 
 def nonfinite_steps(history: list[dict[str, Any]]) -> list[int]:
-    """Steps whose update was skipped or whose loss was inf/NaN (written as null, app/run_files.py)."""
+    """Steps whose update was skipped or whose loss was inf/NaN (written as null, app/rundir/files.py)."""
     return [int(h["step"]) for h in history if h.get("update_skipped") or not _finite(h.get("loss"))]
 
 

@@ -1,7 +1,8 @@
 """The `RunMonitor` actor: the run's reported steps and worker-group starts, polled by the driver.
 
 Its own module, importing nothing but Ray: an actor's process imports the module that defines its class,
-and app/monitor.py's Ray Train import (with Ray Data and pandas) cost ~3 s of CPU in every run's monitor.
+and app/train/progress.py's Ray Train import (with Ray Data and pandas) cost ~3 s of CPU in every
+run's monitor.
 """
 
 from __future__ import annotations

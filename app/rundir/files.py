@@ -1,6 +1,6 @@
 """What a run directory holds for `report` and the metric sinks: every read and write of those files.
 
-Written by the driver while the run goes (the progress thread, app/monitor.py), read by `report`, which
+Written by the driver while the run goes (the progress thread, app/train/progress.py), read by `report`, which
 needs nothing but the run directory:
 
     <run_dir>/metrics.jsonl        one line per reported step record, as ray.train.report carried it
@@ -38,7 +38,7 @@ STARTS_FILE = "worker_starts.jsonl"
 DATA_SUMMARY_FILE = "data_summary.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"
 WANDB_RUN_FILE = "wandb_run.json"
-CONFIG_FILE = "skrull_config.json"  # app/preflight.py CONFIG_SNAPSHOT writes it
+CONFIG_FILE = "skrull_config.json"  # app/train/preflight.py CONFIG_SNAPSHOT writes it
 
 
 def jsonable(value: Any) -> Any:

@@ -1,6 +1,7 @@
 """One TRL SFTTrainer run on the bench model and the run's own global batches, timed per optimizer step.
 
-    python -m app.peer.trl_side --config configs/bench/cpu-lmsys.yaml --steps 4 --micro-batch 8 --out r.json
+    python -m app.bench.peer.trl_side --config configs/bench/cpu-lmsys.yaml --steps 4 --micro-batch 8 \
+        --out r.json
         [--set key=value ...]         -> r.json: per step (warm-up first) step_s, cpu_s, loss, grad_norm,
                                          tokens, sample_ids; threads, versions, the attention TRL ran with
 
@@ -8,9 +9,9 @@ The set-up, side by side with `bench train` (docs/benchmarks.md, "Against TRL's 
 - model: workers/models.py's build of the config's model (preset dims, vocabulary sized by data.tokenizer,
   seed train.seed), as every worker's engine builds it, but with transformers' "sdpa" attention instead of
   the DACP one: the same initial weights.
-- data: app/peer/rows.py's global batches, pre-tokenized as input_ids + assistant_masks (labels != -100).
-  TRL builds labels = input_ids where the mask is 1 (its own dataset preparation), which are the run's
-  labels: both sides train the same targets.
+- data: app/bench/peer/rows.py's global batches, pre-tokenized as input_ids + assistant_masks
+  (labels != -100). TRL builds labels = input_ids where the mask is 1 (its own dataset preparation), which
+  are the run's labels: both sides train the same targets.
 - padding_free=True without dataset packing: TRL's collator concatenates a micro-batch's sequences into one
   row whose position_ids restart at 0 per sequence (and sets the label of every sequence's first token to
   -100, so no sequence predicts into the next); transformers derives a block-causal mask from those
@@ -40,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.bench.peer.rows import WARMUP_STEPS, StepBatch, step_batches
 from app.config import ConfigError, SkrullConfig, load_config
-from app.peer.rows import WARMUP_STEPS, StepBatch, step_batches
 from scheduling.payload import IGNORE_INDEX
 
 ATTENTION = "sdpa"
@@ -88,8 +89,8 @@ def build_trainer(config: SkrullConfig, batches: list[StepBatch], micro_batch: i
     from datasets import Dataset
     from trl import SFTTrainer
 
-    from app.export_tokenizer import hf_tokenizer
-    from app.model_args import model_spec
+    from app.model.export_tokenizer import hf_tokenizer
+    from app.model.spec import model_spec
 
     args = trl_args(config, len(batches), micro_batch, out_dir)
     spec = model_spec(config.model, config.train, tokenizer=config.data.tokenizer)
@@ -160,7 +161,8 @@ def run_trl(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.peer.trl_side", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m app.bench.peer.trl_side", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--steps", type=int, required=True, help="counted steps, after the warm-up")

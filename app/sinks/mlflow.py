@@ -6,7 +6,7 @@
 
 One MLflow run per Skrull run: named run.name, in the experiment $MLFLOW_EXPERIMENT_NAME (default
 "skrull"); the flattened config is logged once as params (`model.name_or_path`, `train.lr`, ...) and each
-step's numeric metrics (the same scalars as TensorBoard, app/tensorboard_log.py) with the step as x axis.
+step's numeric metrics (the same scalars as TensorBoard, app/sinks/tensorboard.py) with the step as x axis.
 The run id is kept in <run_dir>/mlflow_run.json, so a resumed run continues the same MLflow run (same
 tracking URI and the run still there; otherwise it starts a new one). mlflow is imported lazily: it is the
 optional extra `skrull-on-ray[mlflow]` (mlflow-skinny), checked at preflight (check_mlflow).
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from app.config import ConfigError
-from app.run_files import MLFLOW_RUN_FILE, read_json, write_json
-from app.tensorboard_log import scalars
+from app.rundir.files import MLFLOW_RUN_FILE, read_json, write_json
+from app.sinks.tensorboard import scalars
 
 DEFAULT_EXPERIMENT = "skrull"
 _BATCH = 100  # MLflow accepts at most 100 params per log_batch call (MAX_PARAMS_TAGS_PER_BATCH)

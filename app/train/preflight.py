@@ -5,7 +5,7 @@ divisible by CP (its sections validate themselves, app/config.py); here the mode
 hub id through its config only, honoring HF_HUB_OFFLINE), the data source and tokenizer are opened, the
 hardware profile is loaded strictly and the output directory must be writable. The model must be one
 the training path computes exactly (no sliding window shorter than the max sequence length, no logit
-soft-capping, ...) and the tokenizer's ids must fit its vocabulary (app/model_support.py).
+soft-capping, ...) and the tokenizer's ids must fit its vocabulary (app/model/support.py).
 
 Secrets: a URI with credentials in it (user:password@, access_key / secret_key / session_token) is refused
 (the environment holds them), and every message naming run.storage_path or data.path shows the URI with its
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import CREDENTIAL_HINT, ConfigError, ModelConfig, SkrullConfig
-from app.resume_checkpoints import set_aside_unloadable_checkpoints
+from app.rundir.resume_checkpoints import set_aside_unloadable_checkpoints
 from workers.presets import TINY_PRESETS, is_tiny_preset
 from workers.storage import Location, carries_credentials, is_remote, redact_text, redact_uri
 
@@ -108,7 +108,7 @@ def run_location(config: SkrullConfig, name: str) -> Location:
     """run_storage, set_aside_unloadable_checkpoints, then check_resume: a new run, or an existing one to
     resume (same math, from a checkpoint that loads)."""
     run = run_storage(config, name)
-    set_aside_unloadable_checkpoints(run)  # app/resume_checkpoints.py: resume only what loads
+    set_aside_unloadable_checkpoints(run)  # app/rundir/resume_checkpoints.py: resume only what loads
     check_resume(config, run)
     return run
 
@@ -235,9 +235,9 @@ def write_snapshot(config: SkrullConfig, run_dir: str | Path | Location, data: d
 
 
 def _write_template_snapshot(config: SkrullConfig, run_dir: Location) -> None:
-    """The chat template text the run renders with (app/export_tokenizer.py run_chat_template), so that
+    """The chat template text the run renders with (app/model/export_tokenizer.py run_chat_template), so that
     `export` ships exactly it even when the Jinja file or the tokenizer's template changed since."""
-    from app.export_tokenizer import run_chat_template
+    from app.model.export_tokenizer import run_chat_template
 
     text = run_chat_template(config.data)
     target = run_dir / TEMPLATE_SNAPSHOT
@@ -306,10 +306,10 @@ def preflight(config: SkrullConfig) -> dict[str, Any]:
     from app.data.pipeline import template_settings
     from app.data.readers import resolve_source
     from app.data.tokenizer import load_tokenizer
-    from app.hardware import load_hardware_profile
-    from app.mlflow_log import check_mlflow
-    from app.model_support import check_model_support
-    from app.wandb_log import check_wandb
+    from app.model.support import check_model_support
+    from app.profiling.hardware import load_hardware_profile
+    from app.sinks.mlflow import check_mlflow
+    from app.sinks.wandb import check_wandb
 
     check_no_credentials_in_uris(config)
     check_mlflow(config.train.mlflow_uri)
@@ -319,7 +319,7 @@ def preflight(config: SkrullConfig) -> dict[str, Any]:
     source = resolve_source(config.data) if config.data.source != "synthetic" else None
     eval_source = check_eval_source(config)
     tokenizer = load_tokenizer(config.data.tokenizer)
-    check_model_support(config, tokenizer)  # app/model_support.py
+    check_model_support(config, tokenizer)  # app/model/support.py
     check_chat_template(tokenizer, template_settings(config.data, None))  # app/data/chat_template.py
     load_hardware_profile(config.hardware.profile)
     fingerprints = {"data.path": data_fingerprint(config.data, source)}

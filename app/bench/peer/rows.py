@@ -18,7 +18,7 @@ from app.data.preview import PreviewRow, preview_rows
 from scheduling.payload import USABLE_STATUSES
 
 WARMUP_STEPS = 1
-"""Leading optimizer steps both sides run and leave out of tokens/s (as app/bench_driver.py does)."""
+"""Leading optimizer steps both sides run and leave out of tokens/s (as app/bench/driver.py does)."""
 
 
 @dataclass(frozen=True)

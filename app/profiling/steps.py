@@ -59,7 +59,7 @@ def _samples(lengths: np.ndarray, seed: int) -> list[Sample]:
 def planned_steps(config: SkrullConfig, cost: CostModel, *, num_batches: int,
                   world_size: int) -> list[PlannedStep]:
     """`num_batches` global batches of the run's lengths, each planned by every STEP_POLICIES policy."""
-    from app.plan_report import sample_batches
+    from app.profiling.plan_report import sample_batches
 
     sched = config.scheduling
     cp_size = config.parallel.cp_size

@@ -2,12 +2,12 @@
 
 Ray Train calls `ProgressCallback.after_report` in its controller once every worker has reported; the
 callback forwards world rank 0's per-step metrics (the report's "history": every step since the last
-report) to a tiny `RunMonitor` actor (app/run_monitor.py) that the driver polls. Nothing here is on the
+report) to a tiny `RunMonitor` actor (app/train/run_monitor.py) that the driver polls. Nothing here is on the
 workers' hot path.
 
 The driver's progress thread hands every new record to its sinks (the run's metrics.jsonl, TensorBoard,
 MLflow) and every new start of the worker group to its start sinks (worker_starts.jsonl), so a run's
-directory tells its story while it runs (app/run_files.py).
+directory tells its story while it runs (app/rundir/files.py).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class ProgressBar:
             try:
                 self._drain()
             except Exception as err:  # noqa: BLE001 - a sink failed (a full disk): raised when fit ends,
-                self._error = err     # as one error (app/run_failures.py), not a thread's traceback now
+                self._error = err     # as one error (app/train/failures.py), not a thread's traceback now
                 return
 
     def _drain(self) -> None:

@@ -1,13 +1,13 @@
 """Every reported step's metrics to Weights & Biases, when train.wandb_project is set (the driver's progress
-thread; the W&B counterpart of app/mlflow_log.py).
+thread; the W&B counterpart of app/sinks/mlflow.py).
 
     train.wandb_project: ""          off (the default)
                          my-project  one W&B run per Skrull run in that project
     train.wandb_entity:  ""          the API key's default entity (user or team); or a team's name
 
-One W&B run per Skrull run: named run.name, with the config (the snapshot app/preflight.py writes, nested:
-W&B shows `train.lr`, `model.name_or_path`, ... and keeps numbers as numbers) and each step's numeric
-metrics (the same scalars as TensorBoard and MLflow, app/tensorboard_log.py; non-finite values left out)
+One W&B run per Skrull run: named run.name, with the config (the snapshot app/train/preflight.py writes,
+nested: W&B shows `train.lr`, `model.name_or_path`, ... and keeps numbers as numbers) and each step's numeric
+metrics (the same scalars as TensorBoard and MLflow, app/sinks/tensorboard.py; non-finite values left out)
 with the training step as W&B's own step. The run id is drawn once and kept in <run_dir>/wandb_run.json, so
 a rerun of the run directory continues the same W&B run (resume="allow"; a changed project or entity
 starts a new one). W&B's own files go to <run_dir>/wandb/; WANDB_MODE=offline writes only those (upload
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from app.config import ConfigError
-from app.run_files import WANDB_RUN_FILE, read_json, write_json
-from app.tensorboard_log import scalars
+from app.rundir.files import WANDB_RUN_FILE, read_json, write_json
+from app.sinks.tensorboard import scalars
 
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 _ID_LENGTH = 12
