@@ -45,6 +45,7 @@ from scheduling.payload import (
     USABLE_STATUSES,
     Cursor,
     RankPayload,
+    RowStatus,
     Sample,
     build_rank_payloads,
     spare_payload,
@@ -347,7 +348,7 @@ class EvalSource:
             raise PlannerError("no eval set: set data.eval_fraction or data.eval_path")
         samples = []
         for position, row in enumerate(self._dataset.iter_rows()):
-            if str(row.get("status", "ok")) not in USABLE_STATUSES:
+            if str(row.get("status", RowStatus.OK)) not in USABLE_STATUSES:
                 continue
             if self._separate or self.holds_out(position):
                 samples.append(Sample(sample_id=position, input_ids=np.asarray(row["input_ids"], np.int64),

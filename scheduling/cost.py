@@ -72,6 +72,21 @@ k and changes no plan (`profile --steps` scales a fitted profile this way, app/p
 peak_flops is left unmarked: T_comp divides by peak_flops * mfu, and mfu carries the fitted speed."""
 
 
+@dataclass(frozen=True, slots=True)
+class RingLink:
+    """The links one ring step crosses: the paper's two-regime T_comm, the one place it is written.
+
+        step_s(bytes) = max(latency_s, offset_s + bytes / bandwidth)
+    """
+
+    latency_s: float
+    offset_s: float
+    bandwidth: float
+
+    def step_s(self, nbytes: float) -> float:
+        return max(self.latency_s, self.offset_s + nbytes / self.bandwidth)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HardwareProfile:
     """Rates of one accelerator type. Defaults are the H100 numbers of configs/hardware/h100.yaml."""
@@ -156,16 +171,16 @@ class HardwareProfile:
             return inside
         return min(inside, self.gpus_per_node * self.inter_node_bandwidth)
 
+    def ring_link(self, *, across_nodes: bool) -> RingLink:
+        """The links of a ring inside one node (NVLink) or across nodes (the NICs)."""
+        if across_nodes:
+            return RingLink(self.inter_node_latency_s, self.inter_node_comm_offset_s,
+                            self.inter_node_bandwidth)
+        return RingLink(self.intra_node_latency_s, self.intra_node_comm_offset_s, self.intra_node_bandwidth)
+
     def ring_step_s(self, nbytes: float, cp_size: int) -> float:
-        """One ring step moving `nbytes` over `cp_size` ranks (NVLink if one node holds them):
-        max(latency, offset + bytes / bandwidth), the paper's two-regime T_comm."""
-        if cp_size <= self.gpus_per_node:
-            latency, offset, bandwidth = (self.intra_node_latency_s, self.intra_node_comm_offset_s,
-                                          self.intra_node_bandwidth)
-        else:
-            latency, offset, bandwidth = (self.inter_node_latency_s, self.inter_node_comm_offset_s,
-                                          self.inter_node_bandwidth)
-        return max(latency, offset + nbytes / bandwidth)
+        """One ring step moving `nbytes` over `cp_size` ranks (inside a node if one node holds them)."""
+        return self.ring_link(across_nodes=cp_size > self.gpus_per_node).step_s(nbytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -340,8 +355,7 @@ class Clock:
         overhead               = micro_batch_overhead_s(W)                              (b)
     """
 
-    __slots__ = ("cp_size", "overhead", "_comm_scale", "_denom", "_factor", "_latency", "_offset",
-                 "_overlap", "_bandwidth", "_per_step")
+    __slots__ = ("cp_size", "overhead", "_comm_scale", "_denom", "_factor", "_link", "_overlap", "_per_step")
 
     def __init__(self, cost: CostModel, cp_size: int, world: int = 1) -> None:
         p = cost.profile
@@ -351,10 +365,7 @@ class Clock:
         self._overlap = p.ring_overlap
         self._per_step = cost.num_layers * cp_size
         self._comm_scale = p.comm_passes * (cost.num_layers * (cp_size - 1))
-        inside = cp_size <= p.gpus_per_node  # the ring's links, as HardwareProfile.ring_step_s picks them
-        self._latency = p.intra_node_latency_s if inside else p.inter_node_latency_s
-        self._offset = p.intra_node_comm_offset_s if inside else p.inter_node_comm_offset_s
-        self._bandwidth = p.intra_node_bandwidth if inside else p.inter_node_bandwidth
+        self._link = p.ring_link(across_nodes=cp_size > p.gpus_per_node)
 
     @property
     def factor(self) -> float:
@@ -377,7 +388,7 @@ class Clock:
     def comm(self, volume: float) -> float:
         if self.cp_size <= 1 or volume <= 0:
             return 0.0
-        return self._comm_scale * max(self._latency, self._offset + volume / self._per_step / self._bandwidth)
+        return self._comm_scale * self._link.step_s(volume / self._per_step)
 
     def overlapped(self, comm_s: float, local_s: float) -> float:
         return comm_s + local_s - self._overlap * min(comm_s, local_s)
@@ -412,8 +423,8 @@ class SubgroupClock:
 
         ring(d, g, V) = comm_passes * L*(d-1) * max(latency, offset + V/(L*d) / bandwidth)
 
-    Degree N is today's whole-group ring, `base.comm(V)` (Clock), unchanged bit for bit: the whole CP group
-    keeps its rule (intra-node iff N <= gpus_per_node), so two-level plans model exactly as before.
+    Degree N is the whole-group ring, `base.comm(V)` (Clock), bit for bit: the whole CP group keeps its
+    rule (intra-node iff N <= gpus_per_node), so a two-level plan models the same under either clock.
     `base` also carries comp / overlapped / overhead for the micro-batch's world.
     """
 
@@ -423,7 +434,7 @@ class SubgroupClock:
         p = cost.profile
         self.base = Clock(cost, cp_size, world)
         self.cp_size = cp_size
-        self._rings: dict[tuple[int, int], tuple[float, float, float, float, float]] = {}
+        self._rings: dict[tuple[int, int], tuple[float, float, RingLink]] = {}
         self._kinds: dict[int, tuple[int, ...]] = {}  # per degree: the first group of each link kind
         degree = 2
         while degree < cp_size:
@@ -434,9 +445,7 @@ class SubgroupClock:
                     kinds.setdefault(across, group)
                     self._rings[degree, group] = (
                         p.comm_passes * (cost.num_layers * (degree - 1)), float(cost.num_layers * degree),
-                        p.inter_node_latency_s if across else p.intra_node_latency_s,
-                        p.inter_node_comm_offset_s if across else p.intra_node_comm_offset_s,
-                        p.inter_node_bandwidth if across else p.intra_node_bandwidth)
+                        p.ring_link(across_nodes=across))
                 self._kinds[degree] = tuple(kinds.values())
             degree *= 2
 
@@ -446,8 +455,8 @@ class SubgroupClock:
             return self.base.comm(volume)
         if degree <= 1 or volume <= 0:
             return 0.0
-        scale, per_step, latency, offset, bandwidth = self._rings[degree, group]
-        return scale * max(latency, offset + volume / per_step / bandwidth)
+        scale, per_step, link = self._rings[degree, group]
+        return scale * link.step_s(volume / per_step)
 
     def ring_floor(self, degree: int, volume: float) -> float:
         """The fastest ring of `volume` bytes over any aligned subgroup of `degree` ranks (a lower bound)."""
@@ -462,8 +471,8 @@ class SubgroupClock:
 def ring_lower_bound(cost: CostModel, volume: float, degree: int, cp_size: int) -> float:
     """A lower bound of the ring time of `volume` bytes over any degree-`degree` subgroup of any CP group.
 
-    Degree N is t_comm(volume, N) exactly (today's rule); 1 < d < N takes the cheaper of the intra- and
-    inter-node links unless d > gpus_per_node (then the subgroup must cross a node)."""
+    Degree N is t_comm(volume, N) exactly (the whole group's rule); 1 < d < N takes the cheaper of the
+    intra- and inter-node links unless d > gpus_per_node (then the subgroup must cross a node)."""
     if degree >= cp_size:
         return cost.t_comm(volume, cp_size)
     if degree <= 1 or volume <= 0:
@@ -471,13 +480,10 @@ def ring_lower_bound(cost: CostModel, volume: float, degree: int, cp_size: int) 
     p = cost.profile
     per_step = volume / (cost.num_layers * degree)
     steps = p.comm_passes * (cost.num_layers * (degree - 1))
-    inter = steps * max(p.inter_node_latency_s,
-                        p.inter_node_comm_offset_s + per_step / p.inter_node_bandwidth)
+    inter = steps * p.ring_link(across_nodes=True).step_s(per_step)
     if degree > p.gpus_per_node:
         return inter
-    intra = steps * max(p.intra_node_latency_s,
-                        p.intra_node_comm_offset_s + per_step / p.intra_node_bandwidth)
-    return min(intra, inter)
+    return min(steps * p.ring_link(across_nodes=False).step_s(per_step), inter)
 
 
 def bucket_size_from_memory(*, device_memory_bytes: float, static_memory_bytes: float,

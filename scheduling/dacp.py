@@ -35,6 +35,7 @@ sequence on the rank with the most remaining memory), roll-back unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from enum import StrEnum
 
 import numpy as np
 
@@ -43,9 +44,17 @@ from scheduling.dacp_state import DacpState, SequenceTable
 from scheduling.plans import DacpPlan, SchedulingError, shard_tokens
 from scheduling.refine import refine as refine_placement
 
-__all__ = ["PLACEMENTS", "DacpState", "all_sharded", "check_fits", "dacp_assign", "plan_dacp"]
+__all__ = ["PLACEMENTS", "DacpState", "Placement", "all_sharded", "check_fits", "dacp_assign", "plan_dacp"]
 
-PLACEMENTS = ("greedy", "roundrobin")
+
+class Placement(StrEnum):
+    """How Algorithm 1 places a sequence: greedy (least-loaded rank first) or the App. B.2 ablation."""
+
+    GREEDY = "greedy"
+    ROUNDROBIN = "roundrobin"
+
+
+PLACEMENTS = tuple(Placement)
 
 
 def _roll_back(state: DacpState, rank: int, table: SequenceTable) -> bool:
@@ -63,7 +72,7 @@ def _roll_back(state: DacpState, rank: int, table: SequenceTable) -> bool:
 
 
 def dacp_assign(order: Sequence[int], lengths: Sequence[int], flops: Sequence[float], *, cp_size: int,
-                bucket_size: int, placement: str = "greedy", cost: CostModel | None = None,
+                bucket_size: int, placement: Placement = Placement.GREEDY, cost: CostModel | None = None,
                 on_step: Callable[[DacpState], None] | None = None,
                 table: SequenceTable | None = None) -> DacpState | None:
     """Run Algorithm 1 on `order` (indices, ascending by length); None when the roll-back gives up.
@@ -76,7 +85,7 @@ def dacp_assign(order: Sequence[int], lengths: Sequence[int], flops: Sequence[fl
         table = SequenceTable(lengths, flops, cost, order)
     state = DacpState.start(cp_size, bucket_size)
     remaining, load, local = state.remaining, state.load, state.local  # the state's own lists
-    greedy = placement == "greedy"
+    greedy = placement == Placement.GREEDY
     lens, shards = table.lengths, table.shards(cp_size)
     for index in order:
         length, shard = lens[index], shards[index]
@@ -134,7 +143,8 @@ def all_sharded(indices: Sequence[int], lengths: Sequence[int], cp_size: int,
 
 
 def plan_dacp(lengths: Sequence[int], *, cp_size: int, bucket_size: int, cost: CostModel,
-              indices: Sequence[int] | None = None, placement: str = "greedy", refine: bool = True,
+              indices: Sequence[int] | None = None, placement: Placement = Placement.GREEDY,
+              refine: bool = True,
               on_step: Callable[[DacpState], None] | None = None,
               labels: Sequence[int] | None = None) -> DacpPlan:
     """Plan one micro-batch (all of `lengths`, or the subset `indices`) over `cp_size` CP ranks.
@@ -144,7 +154,7 @@ def plan_dacp(lengths: Sequence[int], *, cp_size: int, bucket_size: int, cost: C
     only when neither fits, i.e. the micro-batch must be split.
     """
     if placement not in PLACEMENTS:
-        raise SchedulingError(f"DACP placement {placement!r} is not one of {PLACEMENTS}")
+        raise SchedulingError(f"DACP placement {placement!r} is not one of {', '.join(PLACEMENTS)}")
     chosen = range(len(lengths)) if indices is None else indices
     check_fits([lengths[i] for i in chosen], cp_size, bucket_size)
     order = sorted(chosen, key=lambda i: (int(lengths[i]), i))

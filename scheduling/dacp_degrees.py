@@ -27,7 +27,7 @@ Assignment (greedy, heaviest first by FLOPs, ties by index), for each sequence s
                  grow, so this ends; when no sequence on t can move, the assignment gives up (None).
 
 Every step checks RB first, so the result holds at most C tokens per rank (ceil(S/d) per rank of a degree-d
-sequence, DacpPlan.rank_tokens). The caller (scheduling.gds) keeps today's two-level DACP plan of the same
+sequence, DacpPlan.rank_tokens). The caller (scheduling.gds) keeps the two-level DACP plan of the same
 micro-batch as a candidate and takes this one only when it models strictly faster, and skips this one when
 the two-level plan already sits on the micro-batch's lower bound (`micro_batch_floor`).
 """
@@ -80,7 +80,7 @@ def resolve_cp_degrees(cp_degrees: str | Sequence[int] | None, cp_size: int) -> 
 
 
 def is_two_level(degrees: Sequence[int], cp_size: int) -> bool:
-    """True when the degrees allow nothing between local and the whole group (today's DACP)."""
+    """True when the degrees allow nothing between local and the whole group (the paper's DACP)."""
     return all(d in (1, cp_size) for d in degrees)
 
 

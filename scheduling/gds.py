@@ -45,10 +45,10 @@
    critical ranks only (not every trial micro-batch inside the split search) keeps the planner's latency:
    measured on 7B / ChatQA2 (CP=16, h100) it gives up ~1% of the modeled gain of planning every trial
    micro-batch with all degrees (16.63 s against 16.46 s over four batches, 23.0 s at [1, N]) at a
-   fraction of the cost (docs/benchmarks.md). [1, N] (or None) skips step 5: today's plans.
+   fraction of the cost (docs/benchmarks.md). [1, N] (or None) skips step 5: the paper's two-level DACP.
 
-`execution="static"` (the GDS-only ablation) shards every sequence instead of running DACP: a micro-batch
-then fits when sum(ceil(S/N)) <= C.
+`execution=Execution.STATIC` (the GDS-only ablation) shards every sequence instead of running DACP: a
+micro-batch then fits when sum(ceil(S/N)) <= C.
 
 Speed: one rank's splitter plans the same group of sequences many times (the strided split and the
 packing coincide at m = 1; the equal-count pass and the extra counts re-split to counts already tried),
@@ -61,15 +61,24 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from enum import StrEnum
 
 from scheduling.cost import Clock, CostModel, SubgroupClock
-from scheduling.dacp import check_fits, dacp_assign
+from scheduling.dacp import Placement, check_fits, dacp_assign
 from scheduling.dacp_degrees import assign_degrees, is_two_level, micro_batch_floor, resolve_cp_degrees
 from scheduling.dacp_state import SequenceTable
 from scheduling.plans import DacpPlan, SchedulingError, StepPlan, SubgroupShards
 from scheduling.simulate import alone_floor, micro_batch_time
 
-EXECUTIONS = ("dacp", "static")
+
+class Execution(StrEnum):
+    """How a micro-batch runs: DACP (local sequences whole, long ones sharded) or static (all sharded)."""
+
+    DACP = "dacp"
+    STATIC = "static"
+
+
+EXECUTIONS = tuple(Execution)
 MIXED_GAP = 1 + 5e-3
 """Step 5 leaves a micro-batch two-level when that plan models within this factor of the micro-batch's lower
 bound: the per-sequence-degree placement could gain < 0.5% there (measured on LMsysChat1M-like batches,
@@ -115,7 +124,7 @@ class _RankSplitter:
     """Strided micro-batching of one DP rank's bin, planning each micro-batch with DACP or static CP."""
 
     def __init__(self, bin_: list[int], lengths: Sequence[int], flops: Sequence[float], *, cp_size: int,
-                 bucket_size: int, placement: str, execution: str, cost: CostModel | None,
+                 bucket_size: int, placement: Placement, execution: Execution, cost: CostModel | None,
                  table: SequenceTable, clock: Clock, degrees: Sequence[int] = (),
                  subgroups: SubgroupClock | None = None) -> None:
         self.bin = sorted(bin_, key=table.length_rank.__getitem__)  # ascending (S, index)
@@ -190,7 +199,7 @@ class _RankSplitter:
             return self._trial([[]] * n, [])
         shards = self.table.shards(n)
         fits_sharded = sum(map(shards.__getitem__, members)) <= self.bucket_size
-        if self.execution == "static":
+        if self.execution == Execution.STATIC:
             return self._trial([[]] * n, members) if fits_sharded else None
         state = dacp_assign(members, self.lengths, self.flops, cp_size=n, bucket_size=self.bucket_size,
                             placement=self.placement, cost=self.cost, table=self.table)
@@ -251,7 +260,8 @@ class _RankSplitter:
 
 
 def plan_gds(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-             placement: str = "greedy", execution: str = "dacp", refine: bool = True,
+             placement: Placement = Placement.GREEDY, execution: Execution = Execution.DACP,
+             refine: bool = True,
              bins: list[list[int]] | None = None, labels: Sequence[int] | None = None,
              cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
     """Plan one global batch: LPT over DP ranks, strided micro-batches, DACP per micro-batch.
@@ -259,7 +269,7 @@ def plan_gds(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size:
     `refine` applies scheduling.refine to every DACP placement (refine=False: the paper's Algorithm 1).
     `bins` replaces step 1 with a given DP split (the DACP-only ablation passes the data-order split).
     `labels`: label tokens per sequence (the model cost formula's LM head; None: every token).
-    `cp_degrees`: scheduling.cp_degrees (None or [1, N]: today's two-level DACP; step 5).
+    `cp_degrees`: scheduling.cp_degrees (None or [1, N]: the paper's two-level DACP; step 5).
     """
     return plan_gds_timed(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
                           placement=placement, execution=execution, refine=refine, bins=bins,
@@ -267,7 +277,8 @@ def plan_gds(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size:
 
 
 def plan_gds_timed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-                   cost: CostModel, placement: str = "greedy", execution: str = "dacp", refine: bool = True,
+                   cost: CostModel, placement: Placement = Placement.GREEDY,
+                   execution: Execution = Execution.DACP, refine: bool = True,
                    bins: list[list[int]] | None = None, labels: Sequence[int] | None = None,
                    cp_degrees: str | Sequence[int] | None = None) -> tuple[StepPlan, float | None]:
     """plan_gds, and the plan's modeled step time: simulate(plan).step_s, summed the same way from the
@@ -275,7 +286,7 @@ def plan_gds_timed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket
     if dp_size < 1:
         raise SchedulingError(f"DP size must be >= 1 (parallel.num_workers / parallel.cp_size): {dp_size}")
     if execution not in EXECUTIONS:
-        raise SchedulingError(f"GDS execution {execution!r} is not one of {EXECUTIONS}")
+        raise SchedulingError(f"GDS execution {execution!r} is not one of {', '.join(EXECUTIONS)}")
     check_fits(lengths, cp_size, bucket_size)
     flops = cost.sequence_flops(lengths, labels)
     table = SequenceTable(lengths, flops, cost)
@@ -283,7 +294,7 @@ def plan_gds_timed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket
         bins = lpt_bins(flops, dp_size, table)
     clock = cost.clock(cp_size, dp_size * cp_size)
     degrees = resolve_cp_degrees(cp_degrees, cp_size)
-    mixed = execution == "dacp" and refine and not is_two_level(degrees, cp_size)
+    mixed = execution == Execution.DACP and refine and not is_two_level(degrees, cp_size)
     splitters = [_RankSplitter(b, lengths, flops, cp_size=cp_size, bucket_size=bucket_size,
                                placement=placement, execution=execution, cost=cost if refine else None,
                                table=table, clock=clock, degrees=degrees if mixed else (),

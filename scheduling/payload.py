@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,13 +33,26 @@ if TYPE_CHECKING:
 
 IGNORE_INDEX = -100
 """Label of a token that carries no loss (the Hugging Face / PyTorch cross-entropy convention)."""
-ROW_STATUSES = ("ok", "empty", "malformed", "truncated", "truncated_empty", "dropped", "too_long")
-"""What tokenization says of a row (app/data/template.py); the planner trains on USABLE_STATUSES only.
 
-truncated_empty: a row that data.too_long=truncate cut to a window without a single label token (after the
-shift); it is counted, carries empty ids and is never trained on.
-"""
-USABLE_STATUSES = ("ok", "truncated")
+
+class RowStatus(StrEnum):
+    """What tokenization says of a row (app/data/template.py); the planner trains on USABLE_STATUSES only.
+
+    truncated_empty: a row that data.too_long=truncate cut to a window without a single label token (after
+    the shift); it is counted, carries empty ids and is never trained on.
+    """
+
+    OK = "ok"
+    EMPTY = "empty"
+    MALFORMED = "malformed"
+    TRUNCATED = "truncated"
+    TRUNCATED_EMPTY = "truncated_empty"
+    DROPPED = "dropped"
+    TOO_LONG = "too_long"
+
+
+ROW_STATUSES = tuple(RowStatus)
+USABLE_STATUSES = (RowStatus.OK, RowStatus.TRUNCATED)
 """Rows with >= 1 label token after truncation and the shift (the tokenizer guarantees it)."""
 
 

@@ -21,7 +21,7 @@ number of micro-batches (ZeRO-2 needs equal backward counts per step), and the w
 zero-loss micro-batch.
 
 Plans are frozen, slotted and keyword-only; they pickle, and `to_dict()` / `from_dict()` give plain JSON
-(a plan without `partial` entries serializes exactly as before they existed).
+(a two-level plan has no `partial` key, so its JSON is the same whether or not a reader knows them).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class DacpPlan:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"local": [list(rank) for rank in self.local],
                                "distributed": list(self.distributed)}
-        if self.partial:  # absent in two-level plans: they serialize as before per-sequence degrees existed
+        if self.partial:  # absent in two-level plans: their JSON is the two-level form
             out["partial"] = [entry.to_dict() for entry in self.partial]
         return out
 

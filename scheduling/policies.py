@@ -20,98 +20,92 @@
 skrull lives in scheduling.skrull, roundrobin and gds_only are plan_gds options (scheduling.gds),
 balanced_packed (the strongest conventional baseline) is scheduling.balanced_packed, dynamic_cp
 (Megatron-style per-sequence CP degrees) is scheduling.dynamic_cp, the rest are
-scheduling.baselines. Every registry entry takes plan_step's keywords (the `Policy` signature)
-and ignores those it does not use, so plan_step is one lookup; POLICIES is the registry's names in order.
+scheduling.baselines. Every registry entry takes one PlanRequest (the batch and every knob a policy may
+read) and passes on the knobs it uses, so plan_step is one lookup; POLICIES is the registry's names in
+order. A new policy is one module and one entry here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from scheduling.balanced_packed import balanced_packed
 from scheduling.baselines import dacp_only, sorted_batching, static_cp, static_cp_packed
 from scheduling.cost import CostModel
-from scheduling.dacp import check_fits
+from scheduling.dacp import Placement, check_fits
 from scheduling.dynamic_cp import dynamic_cp
-from scheduling.gds import plan_gds
+from scheduling.gds import Execution, plan_gds
 from scheduling.plans import SchedulingError, StepPlan
 from scheduling.skrull import skrull
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanRequest:
+    """One global batch to plan and every knob a policy may read (each policy reads only its own)."""
+
+    lengths: Sequence[int]
+    dp_size: int
+    cp_size: int
+    bucket_size: int
+    cost: CostModel
+    seed: int = 0
+    """Sorted batching's group shuffle."""
+    static_cp_micro_batch: int = 1
+    """static_cp's sequences per micro-batch."""
+    labels: Sequence[int] | None = None
+    """Label tokens per sequence (the model cost formula's LM head; None: every token)."""
+    cp_degrees: str | Sequence[int] | None = None
+    """scheduling.cp_degrees: skrull's DACP degrees and dynamic_cp's degree set."""
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """The DP x CP layout and the bucket, as every planner takes them."""
+        return {"dp_size": self.dp_size, "cp_size": self.cp_size, "bucket_size": self.bucket_size}
+
+
 class Policy(Protocol):
-    """One policy: a StepPlan of `lengths` whose indices refer to `lengths`."""
+    """One policy: a StepPlan of `request.lengths` whose indices refer to them."""
 
-    def __call__(self, lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-                 cost: CostModel, seed: int, static_cp_micro_batch: int,
-                 labels: Sequence[int] | None, cp_degrees: str | Sequence[int] | None) -> StepPlan: ...
+    def __call__(self, request: PlanRequest) -> StepPlan: ...
 
 
-# Adapters to the Policy signature. seed only matters to sorted batching (group shuffle) and
-# static_cp_micro_batch only to static_cp; cost and labels are unused by the all-sharded baselines'
-# batching.
-
-def _skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-            seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    return skrull(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                  labels=labels, cp_degrees=cp_degrees)
+def _skrull(r: PlanRequest) -> StepPlan:
+    return skrull(r.lengths, **r.shape, cost=r.cost, labels=r.labels, cp_degrees=r.cp_degrees)
 
 
-def _static_cp(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-               seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    return static_cp(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
-                     micro_batch=static_cp_micro_batch)
+def _static_cp(r: PlanRequest) -> StepPlan:
+    return static_cp(r.lengths, **r.shape, micro_batch=r.static_cp_micro_batch)
 
 
-def _static_cp_packed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-                      cost: CostModel, seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    return static_cp_packed(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size)
+def _static_cp_packed(r: PlanRequest) -> StepPlan:
+    return static_cp_packed(r.lengths, **r.shape)
 
 
-def _sorted(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-            seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    return sorted_batching(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, seed=seed)
+def _sorted(r: PlanRequest) -> StepPlan:
+    return sorted_batching(r.lengths, **r.shape, seed=r.seed)
 
 
-def _roundrobin(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-                cost: CostModel, seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    return plan_gds(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                    placement="roundrobin", refine=False, labels=labels)
+def _roundrobin(r: PlanRequest) -> StepPlan:
+    return plan_gds(r.lengths, **r.shape, cost=r.cost, placement=Placement.ROUNDROBIN, refine=False,
+                    labels=r.labels)
 
 
-def _dacp_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-               seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    return dacp_only(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                     labels=labels)
+def _dacp_only(r: PlanRequest) -> StepPlan:
+    return dacp_only(r.lengths, **r.shape, cost=r.cost, labels=r.labels)
 
 
-def _gds_only(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost: CostModel,
-              seed: int, static_cp_micro_batch: int,
-        labels: Sequence[int] | None = None, cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    return plan_gds(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                    execution="static", labels=labels)
+def _gds_only(r: PlanRequest) -> StepPlan:
+    return plan_gds(r.lengths, **r.shape, cost=r.cost, execution=Execution.STATIC, labels=r.labels)
 
 
-def _balanced_packed(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-                     cost: CostModel, seed: int, static_cp_micro_batch: int,
-                     labels: Sequence[int] | None = None,
-                     cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    return balanced_packed(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                           labels=labels)
+def _balanced_packed(r: PlanRequest) -> StepPlan:
+    return balanced_packed(r.lengths, **r.shape, cost=r.cost, labels=r.labels)
 
 
-def _dynamic_cp(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-                cost: CostModel, seed: int, static_cp_micro_batch: int,
-                labels: Sequence[int] | None = None,
-                cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    return dynamic_cp(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
-                      cp_degrees=cp_degrees)
+def _dynamic_cp(r: PlanRequest) -> StepPlan:
+    return dynamic_cp(r.lengths, **r.shape, cp_degrees=r.cp_degrees)
 
 
 REGISTRY: dict[str, Policy] = {
@@ -145,13 +139,13 @@ def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int
 
     `labels`: label tokens per sequence, for the model cost formula's LM head (None: every token).
     `cp_degrees`: scheduling.cp_degrees, the CP degrees skrull's DACP may give a sequence (None: [1, N],
-    today's two-level DACP; "auto": every power of two; docs/design.md §13) and dynamic_cp's degree set
+    the paper's two-level DACP; "auto": every power of two; docs/design.md §13) and dynamic_cp's degree set
     (None: every power of two); the other policies shard over the whole CP group.
     """
     planner = REGISTRY[check_policy(policy)]
     if dp_size < 1:
         raise SchedulingError(f"DP size must be >= 1 (parallel.num_workers / parallel.cp_size): {dp_size}")
     check_fits(lengths, cp_size, bucket_size)
-    return planner(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size, cost=cost,
-                   seed=seed, static_cp_micro_batch=static_cp_micro_batch, labels=labels,
-                   cp_degrees=cp_degrees)
+    return planner(PlanRequest(lengths=lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
+                               cost=cost, seed=seed, static_cp_micro_batch=static_cp_micro_batch,
+                               labels=labels, cp_degrees=cp_degrees))

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from scheduling.payload import RowStatus
+
 PLANNER_COLUMNS = ("input_ids", "labels", "status")
 """What the planner reads of a tokenized row (app/data/ray_ops.py writes them)."""
 
@@ -108,7 +110,7 @@ class RowTable:
 def _status_codes(batch: Any, names: dict[str, int]) -> np.ndarray:
     """The batch's statuses as codes into `names` (extended with the statuses seen for the first time)."""
     if "status" not in batch.schema.names:
-        strings = np.full(batch.num_rows, "ok")
+        strings = np.full(batch.num_rows, RowStatus.OK.value)
     else:
         strings = np.asarray(batch.column("status").to_numpy(zero_copy_only=False)).astype(str)
     unique, inverse = np.unique(strings, return_inverse=True)

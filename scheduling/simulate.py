@@ -40,13 +40,13 @@ bounds stay lower bounds, with the longest sequence's term taken over every allo
 
 - perfect balance: overlapped(c, l) >= l, so Time_j >= T_comp(Local_j) + T_comp(Sharded_j) + b; a
   degree-d sequence puts F/d on each of d ranks, so sum_j (Local_j + Sharded_j) is still the micro-batch's
-  FLOPs and the mean over j gives the same inequality as before.
+  FLOPs and the mean over j gives the same inequality as in the two-level case.
 - longest sequence at degree d > 1 on rank j of its subgroup: overlapped(c, l) >= c >= its own ring (the
   sum holds it, rings are >= 0 and non-decreasing in the volume, V_entry >= V*), and Sharded_j >= F*/d,
   so Time_j >= ring(V*, d) + T_comp(F*/d) + b >= ring_floor(V*, d) + T_comp(F*/d) + b, ring_floor being
   the cheaper of the intra- and inter-node rings of d ranks (scheduling.cost.ring_lower_bound; degree N
-  keeps t_comm(V*, N) exactly, so [1, N] gives the bound above unchanged). Local (d = 1): as before. The
-  step is at least the min over the allowed degrees.
+  keeps t_comm(V*, N) exactly, so [1, N] gives the bound above unchanged). Local (d = 1): as in the
+  two-level case. The step is at least the min over the allowed degrees.
 `simulate` allows 1, N, every degree the plan uses and `cp_degrees` (plan_report passes the config's, so
 every policy of one report gets the same bound).
 

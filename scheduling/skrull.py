@@ -2,7 +2,7 @@
 
     plan     = plan_gds(DACP per micro-batch)
     if step(plan) <= floor of any all-sharded plan:  return plan        (no GDS-only plan can be faster)
-    fallback = plan_gds(execution="static")                             (GDS-only: every sequence sharded)
+    fallback = plan_gds(execution=static)                              (GDS-only: every sequence sharded)
     return the faster of the two (ties keep the DACP plan)
 
 Every GDS-only micro-batch is also a valid DACP output (all sharded), so Skrull may always fall back to
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduling.cost import CostModel
-from scheduling.gds import plan_gds_timed
+from scheduling.gds import Execution, plan_gds_timed
 from scheduling.plans import StepPlan
 from scheduling.simulate import heaviest_sequence, perfect_balance_bound
 
@@ -28,7 +28,7 @@ def skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: i
     """GDS + DACP (+ refinement), or the GDS-only plan when the cost model says that one is faster.
 
     `cp_degrees` (scheduling.cp_degrees; None: [1, N]) reaches DACP only: the GDS-only fallback shards
-    over the whole CP group as before."""
+    every sequence over the whole CP group, as the GDS-only ablation does."""
     shape = {"dp_size": dp_size, "cp_size": cp_size, "bucket_size": bucket_size, "cost": cost,
              "labels": labels}
     # plan_gds_timed's step time is simulate(plan).step_s, from the micro-batch times GDS compared
@@ -36,7 +36,7 @@ def skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: i
     assert step_s is not None  # refine=True: GDS modeled every micro-batch
     if step_s <= all_sharded_floor(lengths, cost, dp_size=dp_size, cp_size=cp_size, labels=labels):
         return plan  # no all-sharded plan can be faster: skip planning one
-    fallback, fallback_s = plan_gds_timed(lengths, execution="static", **shape)
+    fallback, fallback_s = plan_gds_timed(lengths, execution=Execution.STATIC, **shape)
     assert fallback_s is not None
     return fallback if fallback_s < step_s else plan
 
