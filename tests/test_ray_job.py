@@ -43,6 +43,21 @@ def _wait_for_dashboard(url: str, proc: subprocess.Popen, timeout_s: float = 120
     raise TimeoutError(f"the Ray dashboard at {url} did not come up in {timeout_s} s")
 
 
+NO_AGENT = "No available agent to submit job"
+"""The head's answer while its node's job agent is still starting (the dashboard answers before it): nothing
+was submitted, so submitting again is safe. Seen on a loaded 2-core machine (load average ~12)."""
+
+
+def _submit(command: list[str], env: dict[str, str], timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """`ray job submit`, again every 2 s while the head says its job agent is not up yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+        if NO_AGENT not in result.stdout + result.stderr or time.monotonic() > deadline:
+            return result
+        time.sleep(2)
+
+
 def _auth_env() -> dict[str, str]:
     """Ray >= 2.5x guards the jobs API with a token; one made here, given to the head and the client."""
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
@@ -125,10 +140,8 @@ def test_ray_job_submit_trains_the_tiny_config(ray_head: str, auth_env: dict[str
     ]
     env = dict(os.environ, **auth_env)
     env.pop("RAY_ADDRESS", None)
-    result = subprocess.run(
-        [str(RAY), "job", "submit", "--address", ray_head, "--working-dir", str(REPO), "--", *entrypoint],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
+    result = _submit([str(RAY), "job", "submit", "--address", ray_head, "--working-dir", str(REPO), "--",
+                      *entrypoint], env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summaries = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"steps"')]
     assert summaries, result.stdout[-3000:]
