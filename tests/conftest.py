@@ -80,7 +80,7 @@ def embedded_ray() -> Iterator[None]:
     """
     import ray
 
-    from app.train.driver import start_local_ray
+    from app.train.cluster import start_local_ray
 
     previous = os.environ.pop("RAY_ADDRESS", None)
     start_local_ray(4, log_to_driver=False)

@@ -61,8 +61,8 @@ def test_steps_are_the_rows_the_ray_data_tokenizer_makes(config: SkrullConfig,
                                                          batches: list[StepBatch]) -> None:
     import pyarrow as pa
 
-    from app.data.pipeline import template_settings
     from app.data.ray_ops import synthesize_and_tokenize
+    from app.data.resolved import template_settings
 
     data = config.data
     ids = pa.table({"id": np.arange(data.num_samples, dtype=np.int64)})

@@ -341,7 +341,7 @@ def test_chat_template_settings_resolve(make_dir, llama_dir, tmp_path) -> None:
     path = tmp_path / "llama3.jinja"
     path.write_text(LLAMA3_TEMPLATE)
     llama_bare = load_tokenizer(make_dir("llama", None))
-    from app.data.pipeline import template_settings
+    from app.data.resolved import template_settings
 
     settings = template_settings(DataConfig(tokenizer=llama_dir, chat_template=str(path)), None)
     assert settings.template_text == LLAMA3_TEMPLATE  # read on the driver

@@ -101,7 +101,7 @@ def test_a_bad_newest_checkpoint_is_set_aside_and_ray_train_resumes_the_older_on
     from ray.train import Result
 
     from app.rundir.resume_checkpoints import set_aside_unloadable_checkpoints
-    from app.train.preflight import recorded_step
+    from app.rundir.snapshot import recorded_step
 
     run = tmp_path / "run"
     _run_with_checkpoints(run, [2, 4, 6])
@@ -300,7 +300,7 @@ def full_disk(local_ray, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
 
 
 def test_a_full_disk_is_one_error_naming_the_storage_path_and_no_partial_checkpoint_stays(full_disk) -> None:
-    from app.train.preflight import recorded_step
+    from app.rundir.snapshot import recorded_step
 
     storage, message, listing, copy = full_disk
     assert message.startswith(f"run.storage_path={storage}: writing checkpoint_"), message

@@ -196,7 +196,7 @@ def test_settings_reject_unknown_truncate_side() -> None:
 
 def test_template_settings_follow_the_config() -> None:
     from app.config import load_config
-    from app.data.pipeline import template_settings
+    from app.data.resolved import template_settings
 
     data = load_config(None, ["data.too_long=truncate", "data.truncate_side=right"]).data
     assert template_settings(data, 100) == TemplateSettings(max_length=100, too_long="truncate",

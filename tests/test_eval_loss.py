@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from app.config import ConfigError, load_config
+from app.data.resolved import resolve_data
 from app.data.split import split_counts
-from app.train.preflight import check_eval_source
+from app.train.preflight import check_eval_every
 from scheduling.eval_plan import plan_eval
 from scheduling.holdout import held_out, splitmix64
 from scheduling.payload import Sample
@@ -102,11 +103,11 @@ def test_bad_eval_keys_are_rejected_on_load(tmp_path: Path, overrides: list[str]
 
 def test_eval_every_needs_an_eval_set_and_eval_path_must_exist(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="train.eval_every=2 needs an eval set"):
-        check_eval_source(_config(tmp_path, "bad", "train.eval_every=2"))
+        check_eval_every(_config(tmp_path, "bad", "train.eval_every=2"))
     with pytest.raises(ConfigError, match="data.eval_path='/nonexistent/eval.jsonl' does not exist"):
-        check_eval_source(_config(tmp_path, "bad", "data.eval_path=/nonexistent/eval.jsonl",
-                                  "train.eval_every=2"))
-    check_eval_source(_config(tmp_path, "ok", "data.eval_fraction=0.1", "train.eval_every=2"))
+        config = _config(tmp_path, "bad", "data.eval_path=/nonexistent/eval.jsonl", "train.eval_every=2")
+        resolve_data(config.data, max_length=config.max_sequence_length)
+    check_eval_every(_config(tmp_path, "ok", "data.eval_fraction=0.1", "train.eval_every=2"))
 
 
 def test_an_eval_set_without_a_sample_is_an_error(tmp_path: Path) -> None:
@@ -191,7 +192,9 @@ def test_an_eval_path_dataset_is_read_apart_and_planned_whole(eval_run, tmp_path
 
     import ray
 
-    from app.train.driver import planner_actor, prepared_data
+    from app.train.components import planner_actor
+    from app.train.dataset import prepared_data
+    from app.train.preflight import preflight
 
     chats = [[{"role": "user", "content": f"question {i} " * (i + 1)},
               {"role": "assistant", "content": f"answer {i} " * (2 * i + 1)}] for i in range(5)]
@@ -199,7 +202,7 @@ def test_an_eval_path_dataset_is_read_apart_and_planned_whole(eval_run, tmp_path
     path.write_text("".join(json.dumps({"messages": chat}) + "\n" for chat in chats))
     config = _config(tmp_path, "path", f"data.eval_path={path}", "train.eval_every=2")
     out = io.StringIO()
-    data = prepared_data(config, progress=True, out=out, embedded=True)
+    data = prepared_data(config, preflight(config), progress=True, out=out, embedded=True)
     assert (data.usable_rows, data.eval_rows) == (NUM_SAMPLES, 5), out.getvalue()  # nothing held out
     eval_rows = list(data.eval_dataset.iter_rows())
     planner = planner_actor(config, data.dataset, 1, "eval-path", eval_dataset=data.eval_dataset)

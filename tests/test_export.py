@@ -107,7 +107,7 @@ def test_exported_tokenizer_encodes_like_the_runs(trained) -> None:
     chat = tokenize_rows([{"messages": MESSAGES}], run_tok, TemplateSettings()).input_ids[0].tolist()
     assert fresh["chat_ids"] == chat  # data.chat_template: the run's ChatML rendering
     assert fresh["eos_token"] == "<|im_end|>"
-    # the template recorded when the run started (app/train/preflight.py TEMPLATE_SNAPSHOT) is the one shipped
+    # the template recorded when the run started (app/rundir/snapshot.py write_snapshot) is the one shipped
     summary, out = trained[0], trained[2]
     recorded = (Path(summary.run_dir) / "chat_template.jinja").read_text()
     shipped = json.loads((out / "tokenizer_config.json").read_text()).get("chat_template")

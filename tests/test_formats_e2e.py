@@ -9,6 +9,7 @@ turn), never in a header, a user, system or tool turn, or the BOS.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -109,11 +110,13 @@ def test_preview_labels_exactly_the_assistant_tokens_of_every_format(llama_data,
             assert row["format"] in {"sharegpt", "alpaca", "messages", "prompt_completion"}
 
 
-def test_train_runs_two_steps_on_every_format(llama_data, local_ray, tmp_path: Path) -> None:
+def test_train_runs_two_steps_on_every_format(llama_data, local_ray, tmp_path: Path, capsys) -> None:
     """One run over the four files (16 rows, one global batch of 16): every row of every format trains in
-    step 1, on a tiny Llama whose vocabulary is the tokenizer's."""
+    step 1, on a tiny Llama whose vocabulary is the tokenizer's. The driver process loads the tokenizer and
+    resolves the data source once (app/data/resolved.py), example row and cost model included."""
     from app.config import load_config
     from app.train.driver import train
+    from tests.call_counter import counted_calls
 
     tokenizer, files = llama_data
     data = next(iter(files.values())).parent
@@ -121,7 +124,12 @@ def test_train_runs_two_steps_on_every_format(llama_data, local_ray, tmp_path: P
         f"run.storage_path={tmp_path}", "run.name=formats", "model.name_or_path=tiny-llama",
         "data.source=path", f"data.path={data}", f"data.tokenizer={tokenizer}",
         "scheduling.global_batch_size=16", "train.steps=2", "data.shuffle=false"])
-    summary = train(config, progress=False)
+    terminal = io.StringIO()
+    with counted_calls("app.data.tokenizer", "load_tokenizer") as loads, \
+            counted_calls("app.data.readers", "resolve_source") as resolves:
+        summary = train(config, quiet=True, out=terminal)  # progress on: the summary and an example row
+    assert "example training row" in capsys.readouterr().out  # sys.stdout: pytest's, not the run's log
+    assert (loads, [args[0].path for args in resolves]) == ([(str(tokenizer),)], [str(data)])
     assert summary.steps == 2
     first = json.loads(Path(summary.run_dir, "samples.jsonl").read_text().splitlines()[0])
     assert sorted(i for line in [first] for i in line["sample_ids"]) == list(range(16))

@@ -1,4 +1,5 @@
-"""The import graph: app -> workers -> scheduling, nothing upward, no circle; light commands stay light."""
+"""The import graph: app -> workers -> scheduling, nothing upward, no circle; app's rooms in their order;
+light commands stay light."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = {"scheduling": 0, "workers": 1, "app": 2}
+APP_ROOMS = ("config", "data", "rundir", "sinks", "model", "profiling", "train", "bench", "commands",
+             "__main__")
+"""app/'s rooms from the bottom up (docs/design.md §1): a module may import its own room and those below."""
 HEAVY = ("torch", "deepspeed", "transformers")
 
 
@@ -46,6 +50,40 @@ def test_no_layer_imports_a_layer_above_it() -> None:
     upward = [f"{src} -> {dst}" for src, dsts in _graph().items() for dst in dsts
               if LAYERS[dst.split(".")[0]] > LAYERS[src.split(".")[0]]]
     assert not upward, upward
+
+
+def _app_room(module: str) -> int | None:
+    """The rank of an app module's room (app/__init__ is below them all), None outside app."""
+    parts = module.split(".")
+    if parts[0] != "app":
+        return None
+    return APP_ROOMS.index(parts[1]) if len(parts) > 1 else -1
+
+
+def upward_app_imports(graph: dict[str, set[str]]) -> list[str]:
+    """`src -> dst` for every app module that imports a module of a higher room."""
+    upward = []
+    for src, dsts in graph.items():
+        low = _app_room(src)
+        upward += [f"{src} -> {dst}" for dst in sorted(dsts)
+                   if low is not None and (_app_room(dst) if dst.startswith("app") else low) > low]
+    return upward
+
+
+def test_every_app_module_sits_in_a_room() -> None:
+    """app/'s top level holds config.py, __main__.py and the rooms (subpackages) only."""
+    flat = {p.name for p in (REPO / "app").glob("*.py")} - {"__init__.py", "__main__.py", "config.py"}
+    rooms = {p.name for p in (REPO / "app").iterdir() if (p / "__init__.py").is_file()}
+    assert not flat, f"modules at app/'s top level: {sorted(flat)}; move each into the room of its role"
+    assert rooms | {"config", "__main__"} == set(APP_ROOMS), sorted(rooms)
+
+
+def test_no_app_room_imports_a_room_above_it() -> None:
+    graph = _graph()
+    assert upward_app_imports(graph) == []
+    # The check itself: a data module importing the train driver is caught.
+    graph["app.data.tokenizer"] = graph["app.data.tokenizer"] | {"app.train.driver"}
+    assert upward_app_imports(graph) == ["app.data.tokenizer -> app.train.driver"]
 
 
 def test_no_import_circle_between_modules() -> None:

@@ -85,7 +85,7 @@ def test_the_torch_scheduler_follows_the_global_step_through_resumes_and_skipped
 
 def test_train_prints_the_step_count_it_derived_and_the_curve() -> None:
     from app.config import load_config
-    from app.train.driver import steps_line
+    from app.train.components import steps_line
 
     by_epochs = load_config("configs/qwen2.5-7b-gpu.yaml")  # steps 0, 2 epochs, 3% warmup, cosine to 7e-7
     assert steps_line(by_epochs, 312, 20000) == (

@@ -16,7 +16,9 @@ import pytest
 
 from app.__main__ import main
 from app.config import ConfigError, load_config
-from app.train.preflight import CONFIG_SNAPSHOT, check_resume, run_name
+from app.rundir.files import CONFIG_SNAPSHOT
+from app.rundir.location import run_name
+from app.rundir.snapshot import check_resume
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -142,7 +144,7 @@ def test_a_run_from_before_shuffling_and_templates_resumes_only_as_it_trained(tm
     del old["data"]["shuffle"]
     old["data"]["chat_template"] = True
     (tmp_path / CONFIG_SNAPSHOT).write_text(json.dumps(old))
-    changed = r"data.chat_template: 'chatml' -> 'auto'.*data.shuffle: False -> True"
+    changed = r"data.shuffle: False -> True.*data.chat_template: 'chatml' -> 'auto'"  # in the tree's order
     with pytest.raises(ConfigError, match=changed):
         check_resume(config, tmp_path)
     check_resume(load_config("configs/tiny-cpu.yaml", ["train.steps=4", "data.data_files=[a.jsonl]",

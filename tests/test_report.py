@@ -3,8 +3,8 @@
 One tiny Ray training run (tests/conftest.py's `tiny_run`: tests/test_train_e2e.py's config, 6 steps, logged
 to MLflow, shared with test_train_e2e and test_export) serves every end-to-end assertion: the run directory
 alone must give `report` the history `train` returned, MLflow's own client must read back every step, and
-`--plot` must write a PNG that matplotlib reads. A resumed run's MLflow
-run and `report`'s restart counts are checked without Ray (MlflowLog and RunLog twice on one directory).
+`--plot` must write a PNG that matplotlib reads. A resumed run's MLflow run and `report`'s restart counts
+are checked without Ray (MlflowLog and WorkerStartsLog twice on one directory).
 Padding is checked exactly on hand-counted plans against the streams workers/batch.py really builds.
 """
 
@@ -141,16 +141,17 @@ def test_a_uri_mlflow_refuses_is_a_config_error_and_writes_nothing(tmp_path: Pat
 
 
 def test_report_counts_restarts_within_a_train_call_and_resumes_across_calls(tmp_path: Path) -> None:
-    from app.rundir.files import RunLog
-    from app.train.preflight import write_snapshot
+    from app.rundir.snapshot import write_snapshot
+    from app.sinks.run_log import RunLog, WorkerStartsLog
     from app.train.report import run_report
 
-    write_snapshot(load_config("configs/tiny-cpu.yaml"), tmp_path)
-    first, second = RunLog(tmp_path, total_steps=4), RunLog(tmp_path, total_steps=4)
-    for log, session, resumed in ((first, "a", 0), (first, "b", 2), (second, "c", 3)):
-        log.group_started({"session": session, "resumed_from_step": resumed})
+    write_snapshot(load_config("configs/tiny-cpu.yaml"), tmp_path, template=None)
+    log = RunLog(tmp_path)
+    first, second = WorkerStartsLog(tmp_path, total_steps=4), WorkerStartsLog(tmp_path, total_steps=4)
+    for starts, session, resumed in ((first, "a", 0), (first, "b", 2), (second, "c", 3)):
+        starts.write({"session": session, "resumed_from_step": resumed})
     for step, session in ((1, "a"), (2, "a"), (3, "a"), (3, "b"), (4, "c")):  # b re-trained step 3
-        first.record({"step": step, "loss": 10.0 - step, "session": session, "tokens": 100, "step_s": 1.0})
+        log.write({"step": step, "loss": 10.0 - step, "session": session, "tokens": 100, "step_s": 1.0})
     report = run_report(tmp_path)
     assert (report["starts"], report["restarts"], report["resumes"]) == (3, 1, 1)
     assert [h["session"] for h in report["history"]] == ["a", "a", "b", "c"]
@@ -159,15 +160,15 @@ def test_report_counts_restarts_within_a_train_call_and_resumes_across_calls(tmp
 
 
 def test_report_says_when_the_profile_predicted_steps_far_off(tmp_path: Path) -> None:
-    from app.rundir.files import RunLog
-    from app.train.preflight import write_snapshot
+    from app.rundir.snapshot import write_snapshot
+    from app.sinks.run_log import RunLog, WorkerStartsLog
     from app.train.report import report_lines, run_report
 
-    write_snapshot(load_config("configs/tiny-cpu.yaml"), tmp_path)
-    log = RunLog(tmp_path, total_steps=3)
-    log.group_started({"session": "a", "resumed_from_step": 0})
+    write_snapshot(load_config("configs/tiny-cpu.yaml"), tmp_path, template=None)
+    log = RunLog(tmp_path)
+    WorkerStartsLog(tmp_path, total_steps=3).write({"session": "a", "resumed_from_step": 0})
     for step in (1, 2, 3):
-        log.record({"step": step, "loss": 1.0, "session": "a", "tokens": 100, "step_s": 2.0,
+        log.write({"step": step, "loss": 1.0, "session": "a", "tokens": 100, "step_s": 2.0,
                     "predicted_step_s": 0.5})
     report = run_report(tmp_path)
     assert (report["predicted_step_s_median"], report["profile_ratio"]) == (0.5, 0.25)

@@ -29,8 +29,8 @@ psutil = pytest.importorskip("psutil")
 
 from app.__main__ import main  # noqa: E402
 from app.config import ConfigError, load_config  # noqa: E402
+from app.rundir.snapshot import recorded_step  # noqa: E402
 from app.train.driver import TrainSummary, train  # noqa: E402
-from app.train.preflight import recorded_step  # noqa: E402
 from app.train.report import run_report  # noqa: E402
 from tests.driver_process import SignaledDriver, Stopped  # noqa: E402
 from tests.run_configs import SMALL_VOCAB, scheduled_lrs, shuffled_chats, shuffled_step_ids  # noqa: E402

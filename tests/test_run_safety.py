@@ -23,8 +23,10 @@ from app.__main__ import main
 from app.config import ConfigError, DataConfig, load_config
 from app.data.fingerprint import HEAD_TAIL_BYTES, data_fingerprint
 from app.data.readers import resolve_source
+from app.rundir.files import CONFIG_SNAPSHOT, DATA_SNAPSHOT
 from app.rundir.lock import LOCK_FILE, FileLock, RunLocked, run_lock
-from app.train.preflight import CONFIG_SNAPSHOT, DATA_SNAPSHOT, check_resume, preflight, write_snapshot
+from app.rundir.snapshot import check_resume, write_snapshot
+from app.train.preflight import preflight
 from workers.storage import Location, redact_text, redact_uri
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,7 +103,7 @@ def test_the_snapshot_holds_no_secret_and_resume_compares_redacted_uris(tmp_path
     a run snapshotted with a secret (before redaction existed) still resumes."""
     config = load_config("configs/tiny-cpu.yaml",
                          ["data.source=path", f"data.path=s3://b/d.parquet?secret_key={SECRET}"])
-    write_snapshot(config, tmp_path)
+    write_snapshot(config, tmp_path, template=None)
     assert SECRET not in (tmp_path / CONFIG_SNAPSHOT).read_text()
     _record_checkpoint(tmp_path, step=1)
     check_resume(config, tmp_path)
@@ -111,7 +113,8 @@ def test_the_snapshot_holds_no_secret_and_resume_compares_redacted_uris(tmp_path
 
 # -- a rerun with nothing to resume ------------------------------------------------------------------------
 def _record_checkpoint(run_dir: Path, step: int) -> None:
-    """What Ray Train's controller writes once a checkpoint of `step` is complete (app/train/preflight.py)."""
+    """What Ray Train's controller writes once a checkpoint of `step` is complete (app/rundir/snapshot.py
+    recorded_step reads it)."""
     (run_dir / "checkpoint_manager_snapshot.json").write_text(
         json.dumps({"checkpoint_results": [{"metrics": {"step": step}}]}))
 
@@ -121,15 +124,16 @@ def test_a_rerun_without_a_checkpoint_starts_fresh_with_its_new_config(tmp_path:
     rerun is not a resume: no math check, and its config replaces the snapshot."""
     failed = load_config("configs/tiny-cpu.yaml", ["model.vocab_size=1000"])
     fixed = load_config("configs/tiny-cpu.yaml")
-    write_snapshot(failed, tmp_path)
+    write_snapshot(failed, tmp_path, template=None)
     assert check_resume(fixed, tmp_path) is False
-    assert write_snapshot(fixed, tmp_path, fresh=True) is True  # replaced (the caller says so)
+    assert write_snapshot(fixed, tmp_path, template=None, fresh=True) is True  # replaced (the caller says so)
     assert json.loads((tmp_path / CONFIG_SNAPSHOT).read_text())["model"]["vocab_size"] == 0
     _record_checkpoint(tmp_path, step=2)  # once a checkpoint exists, the math is the run's
     with pytest.raises(ConfigError, match=r"model\.vocab_size: 0 -> 1000"):
         check_resume(failed, tmp_path)
     assert check_resume(fixed, tmp_path) is True
-    assert write_snapshot(failed, tmp_path, fresh=False) is False  # a resume keeps the first snapshot
+    # a resume keeps the first snapshot
+    assert write_snapshot(failed, tmp_path, template=None, fresh=False) is False
     assert json.loads((tmp_path / CONFIG_SNAPSHOT).read_text())["model"]["vocab_size"] == 0
 
 
@@ -147,22 +151,22 @@ def test_data_regenerated_under_the_same_path_is_refused_on_resume(tmp_path: Pat
     evals.write_text("".join(json.dumps({"text": f"eval {i}"}) + "\n" for i in range(4)))
     overrides = ["data.source=path", f"data.path={data}", f"data.eval_path={evals}"]
     config = load_config("configs/tiny-cpu.yaml", overrides)
-    fingerprints = preflight(config)
+    fingerprints = preflight(config).fingerprints
     assert set(fingerprints) == {"data.path", "data.eval_path"}
-    write_snapshot(config, run, fingerprints)
+    write_snapshot(config, run, template=None, data=fingerprints)
     _record_checkpoint(run, step=2)
-    assert check_resume(config, run, preflight(config)) is True  # nothing changed
+    assert check_resume(config, run, preflight(config).fingerprints) is True  # nothing changed
 
     _write_parquet(data / "part-0.parquet", [f"new row {i}" for i in range(20)])
     with evals.open("a") as more:
         more.write(json.dumps({"text": "one more"}) + "\n")
     with pytest.raises(ConfigError, match=r"data\.path: the data changed \(part-0\.parquet changed .*"
                                           r"data\.eval_path: the data changed .*allow_config_change"):
-        check_resume(config, run, preflight(config))
+        check_resume(config, run, preflight(config).fingerprints)
     allowed = load_config("configs/tiny-cpu.yaml", [*overrides, "train.allow_config_change=true"])
-    assert check_resume(allowed, run, preflight(allowed)) is True
+    assert check_resume(allowed, run, preflight(allowed).fingerprints) is True
     (run / DATA_SNAPSHOT).unlink()  # a run from before fingerprints
-    assert check_resume(config, run, preflight(config)) is True
+    assert check_resume(config, run, preflight(config).fingerprints) is True
 
 
 def test_the_fingerprint_reads_a_files_head_and_tail_only(tmp_path: Path) -> None:

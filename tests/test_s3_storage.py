@@ -151,7 +151,7 @@ def test_aws_endpoint_url_from_the_environment_is_enough(s3: S3Server, monkeypat
 
 def test_preflight_names_the_key_of_an_unusable_store(s3: S3Server) -> None:
     from app.data.readers import resolve_source
-    from app.train.preflight import run_location
+    from app.rundir.location import run_location
 
     config = load_config("configs/tiny-cpu.yaml", [f"run.storage_path={s3.uri('runs', bucket='missing')}"])
     with pytest.raises(ConfigError, match=r"run\.storage_path=.*(NO_SUCH_BUCKET|does not exist).*"
@@ -209,14 +209,14 @@ def test_the_driver_mirror_keeps_driver_files_and_never_touches_the_workers(s3: 
 def test_a_config_error_of_a_new_s3_run_leaves_nothing_behind(s3: S3Server) -> None:
     """run_console's "nothing half-written" rule on a store: a new run is removed there and locally; an
     existing run keeps everything and gets the mirror copied in."""
-    from app.train.driver import run_console
-    from app.train.preflight import write_snapshot
+    from app.rundir.snapshot import write_snapshot
+    from app.train.console import run_console
     from workers.storage import pull_mirror
 
     config = load_config("configs/tiny-cpu.yaml")
     for existed in (False, True):
         run = Location.of(s3.uri(f"cfg-error-{existed}"))
-        write_snapshot(config, run)
+        write_snapshot(config, run, template=None)
         mirror = pull_mirror(run)
         console = run_console(mirror, quiet=False, out=None, existed=existed, remote=run)
         with pytest.raises(ConfigError), console:

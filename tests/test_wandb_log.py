@@ -207,7 +207,7 @@ def test_a_failing_write_warns_once_and_training_goes_on(tmp_path: Path, offline
 
 def test_a_training_run_logs_its_config_and_every_step_to_wandb(tiny_run) -> None:
     """The suite's shared Ray run (tests/conftest.py `tiny_run`: train.wandb_project, WANDB_MODE=offline)."""
-    from app.train.preflight import CONFIG_SNAPSHOT
+    from app.rundir.files import CONFIG_SNAPSHOT
 
     summary, _ = tiny_run
     run_dir = Path(summary.run_dir)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from workers.train_loop import (
     restart_planner,
     zero_groups,
 )
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 T = TypeVar("T")
 
@@ -75,7 +78,7 @@ class _Policy:
     """One policy's engine, planner client, metrics window and this round's per-rank readings."""
 
     name: str
-    engine: Any
+    engine: DeepSpeedEngine
     planner: PlannerClient
     window: MetricsWindow
     fetched: Fetched | None = None
@@ -112,7 +115,7 @@ def rotated(items: list[T], step: int) -> list[T]:
     return items[shift:] + items[:shift]
 
 
-def _build_policies(settings: BenchSettings, groups: ParallelGroups, device: Any) -> list[_Policy]:
+def _build_policies(settings: BenchSettings, groups: ParallelGroups, device: torch.device) -> list[_Policy]:
     """One engine per policy, all from the same seed (identical initial weights) and the same ZeroGroups."""
     base = settings.worker
     zero = zero_groups(base)  # created once: every engine reduces over the same groups
@@ -122,7 +125,7 @@ def _build_policies(settings: BenchSettings, groups: ParallelGroups, device: Any
             for name, planner in settings.planners]
 
 
-def _timed_step(base: WorkerSettings, policy: _Policy, groups: ParallelGroups, device: Any,
+def _timed_step(base: WorkerSettings, policy: _Policy, groups: ParallelGroups, device: torch.device,
                 step: int) -> None:
     """`train`'s step on this policy's engine; also reads the process CPU time around it."""
     cpu_started = time.process_time()
@@ -132,7 +135,7 @@ def _timed_step(base: WorkerSettings, policy: _Policy, groups: ParallelGroups, d
                        fetched.payload.predicted_busy_s)
 
 
-def _round_records(policies: list[_Policy], groups: ParallelGroups, device: Any, *, warmup: bool,
+def _round_records(policies: list[_Policy], groups: ParallelGroups, device: torch.device, *, warmup: bool,
                    session: str) -> list[dict[str, Any]]:
     """One record per policy for this step (collective: every rank calls it after the same step)."""
     # On the device: NCCL gathers device tensors only.

@@ -27,11 +27,14 @@ import json
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.checkpoints import STATE_FILE, CheckpointState
 from workers.storage import Location
 from workers.storage_errors import reason_of, storage_message, storage_path_of
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 MANIFEST_PREFIX = "skrull_manifest_rank"
 _CHUNK = 8 << 20
@@ -92,7 +95,8 @@ class SavedCheckpoint:
     """Why it could not be written (one line naming run.storage_path), or None."""
 
 
-def save_checkpoint(engine: Any, state: CheckpointState, world_group: Any, run_dir: str) -> SavedCheckpoint:
+def save_checkpoint(engine: DeepSpeedEngine, state: CheckpointState, world_group: Any,
+                    run_dir: str) -> SavedCheckpoint:
     """Every rank (collective): save `engine` and `state` into a temp dir, write this rank's manifest, copy
     the dir into <run_dir>/<name>. When any rank's copy failed, world rank 0 removes the partial directory
     and the result says why, naming run.storage_path."""

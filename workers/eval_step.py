@@ -19,7 +19,7 @@ adds 0 to the all_reduce. The model is put in eval mode (dropout off) for the pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from workers.batch import build_rank_batch
 from workers.distributed import ParallelGroups
 from workers.forward import micro_batch_loss_sum
 from workers.step import idle_batch
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 def is_eval_step(step: int, last_step: int, eval_every: int) -> bool:
@@ -52,7 +55,7 @@ class EvalSet:
                          timeout=timeout_s)
         return cls(ref)
 
-    def loss(self, engine: Any, groups: ParallelGroups, *, device: torch.device,
+    def loss(self, engine: DeepSpeedEngine, groups: ParallelGroups, *, device: torch.device,
              loss_chunk_tokens: int) -> float:
         """The eval loss of the current weights (collective over the world group: every rank calls it)."""
         import ray

@@ -12,8 +12,8 @@ embedded Ray the process group is made here instead:
                   init_process_group(backend, store=..., rank, world_size, timeout)
 
 gloo's own listening sockets follow GLOO_SOCKET_IFNAME, which the embedded Ray's job environment sets to
-the loopback interface (app/train/driver.py start_local_ray). A run on a RAY_ADDRESS cluster keeps Ray Train's
-backend: its workers are on several machines and must reach each other.
+the loopback interface (app/train/cluster.py start_local_ray). A run on a RAY_ADDRESS cluster keeps Ray
+Train's backend: its workers are on several machines and must reach each other.
 """
 
 from __future__ import annotations

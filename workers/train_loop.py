@@ -30,7 +30,7 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -54,6 +54,11 @@ from workers.models import ModelSpec
 from workers.nonfinite import NonFiniteGuard, NonFinitePolicy, knob_values
 from workers.step import StepStats, run_step
 from workers.storage import Location
+
+if TYPE_CHECKING:
+    import torch
+    from deepspeed import DeepSpeedEngine
+    from ray.train import Checkpoint
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,8 +112,8 @@ def _append_samples(run_dir: str, payload: RankPayload) -> None:
         raise
 
 
-def _report(window: list[dict[str, Any]], engine: Any, payload: RankPayload, groups: ParallelGroups,
-            save: bool, run_dir: str) -> str | None:
+def _report(window: list[dict[str, Any]], engine: DeepSpeedEngine, payload: RankPayload,
+            groups: ParallelGroups, save: bool, run_dir: str) -> str | None:
     """The one place that calls ray.train.report; with `save`, every rank writes its DeepSpeed shard.
 
     The reported metrics are the window's last step, plus every step of the window under "history"
@@ -173,7 +178,7 @@ def restart_planner(planner: Any, groups: ParallelGroups, resume: CheckpointStat
     ray.get(restart, timeout=timeout_s)
 
 
-def parallel_groups(settings: WorkerSettings, device: Any) -> ParallelGroups:
+def parallel_groups(settings: WorkerSettings, device: torch.device) -> ParallelGroups:
     """This worker's DP x CP groups with the run's collective timeout (collective: every rank alike)."""
     return ParallelGroups.create(settings.cp_size, device=device,
                                  attention_backend=settings.model.attention_backend,
@@ -186,8 +191,9 @@ def zero_groups(settings: WorkerSettings) -> ZeroGroups:
     return ZeroGroups.create(timedelta(seconds=settings.collective_timeout_s))
 
 
-def _engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, checkpoint: Any,
-            resume: CheckpointState | None, local_rank: int) -> Any:
+def _engine(settings: WorkerSettings, device: torch.device, groups: ParallelGroups,
+            checkpoint: Checkpoint | None, resume: CheckpointState | None,
+            local_rank: int) -> DeepSpeedEngine:
     """Build the engine, load the checkpoint into it (another world size goes through universal) and put
     the learning-rate schedule at the step after it."""
     engine = _loaded_engine(settings, device, groups, checkpoint, resume, local_rank)
@@ -195,8 +201,9 @@ def _engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, check
     return engine
 
 
-def _loaded_engine(settings: WorkerSettings, device: Any, groups: ParallelGroups, checkpoint: Any,
-                   resume: CheckpointState | None, local_rank: int) -> Any:
+def _loaded_engine(settings: WorkerSettings, device: torch.device, groups: ParallelGroups,
+                   checkpoint: Checkpoint | None, resume: CheckpointState | None,
+                   local_rank: int) -> DeepSpeedEngine:
     zero = zero_groups(settings)
     build = functools.partial(build_engine, settings.model, device=device, seed=settings.seed, groups=zero,
                               lr_schedule=settings.lr_schedule)
@@ -255,8 +262,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
            is_rank0=is_rank0)
 
 
-def _train(settings: WorkerSettings, engine: Any, groups: ParallelGroups, device: Any, *, resumed: int,
-           session: str, is_rank0: bool) -> None:
+def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGroups, device: torch.device,
+           *, resumed: int, session: str, is_rank0: bool) -> None:
     """Steps resumed+1 .. total_steps: fetch, step, log window, report (with a checkpoint when due); stops
     early, on every rank alike, at a non-finite step or a checkpoint that could not be written."""
     planner = PlannerClient(settings.planner, timeout_s=settings.planner_timeout_s)
@@ -291,8 +298,8 @@ def _train(settings: WorkerSettings, engine: Any, groups: ParallelGroups, device
                 guard.last_checkpoint_step = step
 
 
-def fetch_and_step(settings: WorkerSettings, planner: PlannerClient, engine: Any, groups: ParallelGroups,
-                   device: Any, window: MetricsWindow, step: int,
+def fetch_and_step(settings: WorkerSettings, planner: PlannerClient, engine: DeepSpeedEngine,
+                   groups: ParallelGroups, device: torch.device, window: MetricsWindow, step: int,
                    guard: NonFiniteGuard | None = None) -> tuple[Fetched, StepStats]:
     """One step: wait for this rank's payload, run it on `engine`, add the step to the metrics window.
 

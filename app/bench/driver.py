@@ -7,10 +7,11 @@
            (workers/bench_loop.py)
         ─▶ BenchRun: every (policy, step) record, the wall time, the machine's load
 
-Everything but the worker loop is `train`'s own driver code (app/train/driver.py): the same Ray session and
-resource reservations (every planner actor reserves resources.planner_cpus, 0 by default, so four
-planners fit on 2 cores beside the two workers and Ray Data), the same worker settings and trainer, the
-same progress bar and quiet console (the libraries' output goes to <run_dir>/logs/driver.log).
+Everything but the worker loop is `train`'s own driver code (app/train/: cluster, components, dataset,
+fit): the same Ray session and resource reservations (every planner actor reserves
+resources.planner_cpus, 0 by default, so four planners fit on 2 cores beside the two workers and Ray
+Data), the same worker settings and trainer, the same progress bar and quiet console (the libraries'
+output goes to <run_dir>/logs/driver.log).
 
 A bench run lives in a fresh directory <run.storage_path>/bench-train-<timestamp>-<hex>/ (run.name is
 ignored: a bench never resumes, and must not write into a training run); it keeps the log, the config
@@ -28,10 +29,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from app.config import ConfigError, SkrullConfig
-from app.train.preflight import preflight, run_directory, write_snapshot
+from app.rundir.location import run_directory
+from app.rundir.snapshot import write_snapshot
+from app.train.preflight import preflight
+
+if TYPE_CHECKING:
+    from app.data.resolved import ResolvedData
 
 WARMUP_STEPS = 1
 """Steps every policy runs first and the summary leaves out (engine and allocator warm-up, first plans)."""
@@ -91,19 +97,19 @@ def bench_train(config: SkrullConfig, policies: Sequence[str], steps: int, *, pr
     quiet: the libraries' output goes to <run_dir>/logs/driver.log; on a ConfigError the run directory is
     removed again, so bad input leaves nothing behind.
     """
-    from app.train.driver import run_console
+    from app.train.console import run_console
 
     names = check_policies(policies)
     check_bench_config(config, steps)
-    preflight(config)
+    data = preflight(config)
     name = f"bench-train-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
     run_dir = run_directory(config, name)
     machine = machine_info()
     started = time.perf_counter()
-    write_snapshot(config, run_dir)
+    write_snapshot(config, run_dir, template=data.chat_template_text)
     with run_console(run_dir, quiet=quiet, out=out, existed=False) as terminal:
-        records = _run(config, names, steps, name, run_dir, progress=progress, worker_logs=worker_logs,
-                       out=terminal)
+        records = _run(config, data, names, steps, name, run_dir, progress=progress,
+                       worker_logs=worker_logs, out=terminal)
     machine["load_avg_1_5_15_min_end"] = [round(x, 2) for x in os.getloadavg()]
     return BenchRun(config=config, policies=names, steps=steps, warmup_steps=WARMUP_STEPS, records=records,
                     wall_s=time.perf_counter() - started, run_dir=str(run_dir), machine=machine)
@@ -113,18 +119,13 @@ def _with_policy(config: SkrullConfig, policy: str) -> SkrullConfig:
     return dataclasses.replace(config, scheduling=dataclasses.replace(config.scheduling, policy=policy))
 
 
-def _run(config: SkrullConfig, policies: tuple[str, ...], steps: int, name: str, run_dir: Path, *,
-         progress: bool, worker_logs: bool, out: TextIO) -> list[dict[str, Any]]:
+def _run(config: SkrullConfig, data: ResolvedData, policies: tuple[str, ...], steps: int, name: str,
+         run_dir: Path, *, progress: bool, worker_logs: bool, out: TextIO) -> list[dict[str, Any]]:
     """Ray session, data, one planner per policy, the worker group; returns every (step, policy) record."""
-    from app.train.driver import (
-        fit_with_progress,
-        make_trainer,
-        on_this_node,
-        planner_actor,
-        prepared_dataset,
-        ray_session,
-        worker_settings,
-    )
+    from app.train.cluster import on_this_node, ray_session
+    from app.train.components import make_trainer, planner_actor, worker_settings
+    from app.train.dataset import prepared_data
+    from app.train.fit import fit_with_progress
     from app.train.run_monitor import RunMonitor
     from workers.bench_loop import BenchSettings, bench_loop_per_worker
 
@@ -132,12 +133,13 @@ def _run(config: SkrullConfig, policies: tuple[str, ...], steps: int, name: str,
     # A restarted group would re-run steps on engines that already took them: fail instead of retrying.
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, max_failures=0))
     with ray_session(config, worker_logs=worker_logs) as embedded:
-        dataset, _ = prepared_dataset(config, progress=progress, out=out, embedded=embedded,
-                                      planners=len(policies))
-        planners = tuple((p, planner_actor(_with_policy(config, p), dataset, total, f"{name}-{p}"))
-                         for p in policies)
+        dataset = prepared_data(config, data, progress=progress, out=out, embedded=embedded,
+                                planners=len(policies)).dataset
+        planners = tuple((p, planner_actor(_with_policy(config, p), dataset, total, f"{name}-{p}",
+                                           tokenizer=data.tokenizer)) for p in policies)
         monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
-        settings = BenchSettings(worker=worker_settings(config, None, monitor, total, str(run_dir)),
+        worker = worker_settings(config, None, monitor, total, str(run_dir), tokenizer=data.tokenizer)
+        settings = BenchSettings(worker=worker,
                                  planners=planners, warmup_steps=WARMUP_STEPS)
         trainer = make_trainer(config, settings, name, monitor, loop=bench_loop_per_worker, embedded=embedded)
         _, records = fit_with_progress(config, trainer, monitor, total, progress=progress, out=out)

@@ -42,7 +42,7 @@ def _stale_profile(counted: list[dict[str, Any]], config: Any, run_dir: str) -> 
     """app/profiling/stale_check.py over the first STALE_STEPS counted steps of every policy, pooled: every
     policy's plans are predicted by the same profile; None when the profile is fresh."""
     from app.profiling.stale_check import STALE_STEPS, STALE_TOLERANCE, median_ratio, stale_warning
-    from app.train.preflight import CONFIG_SNAPSHOT
+    from app.rundir.files import CONFIG_SNAPSHOT
 
     by_policy: dict[str, list[dict[str, Any]]] = {}
     for record in counted:

@@ -38,13 +38,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from app.bench.peer.rows import POLICIES
 from app.commands.common import add_config_arguments, add_json_argument, config_from_args
 from app.config import ConfigError, SkrullConfig
 from app.rundir.files import jsonable
 from app.train.failures import RunFailed
 
 DEFAULT_CONFIG = "configs/bench/cpu-lmsys.yaml"
-POLICIES = ("skrull", "balanced_packed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

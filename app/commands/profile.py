@@ -125,8 +125,9 @@ def measure(config: Any, args: argparse.Namespace) -> tuple[dict, list[Any]]:
 
     from app.profiling.hardware import cost_model
     from app.profiling.steps import planned_steps
+    from app.train.cluster import on_this_node, ray_session
+    from app.train.components import make_trainer
     from app.train.console import captured_output
-    from app.train.driver import make_trainer, on_this_node, ray_session
     from app.train.preflight import check_cluster_fits
     from app.train.run_monitor import RunMonitor
     from workers.tools.profile_run import profile_loop_per_worker

@@ -35,7 +35,8 @@ def resume_command(args: argparse.Namespace, name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from app.train.driver import RunInterrupted, train
+    from app.train.driver import train
+    from app.train.signals import RunInterrupted
     from workers.storage import redact_text
 
     config = config_from_args(args)

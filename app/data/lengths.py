@@ -21,11 +21,12 @@ import numpy as np
 from app.config import DataConfig
 from app.data.formats import check_format_settings, count_formats
 from app.data.malformed import MalformedTally, check_malformed
-from app.data.pipeline import template_settings
 from app.data.readers import iter_local_rows, resolve_source
+from app.data.resolved import template_settings
 from app.data.synth import ConversationSynth, target_lengths
 from app.data.template import tokenize_rows
 from app.data.tokenizer import load_tokenizer
+from scheduling.payload import RowStatus
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,7 +76,7 @@ def scan_local(data: DataConfig, limit: int | None = None) -> LocalScan:
         out = tokenize_rows(rows, tok, settings)
         malformed.add(out.status, out.reason)
         count_formats(formats, out.format)
-        lengths += [n for n, status in zip(out.num_tokens, out.status, strict=True) if status == "ok"]
+        lengths += [n for n, status in zip(out.num_tokens, out.status, strict=True) if status == RowStatus.OK]
         if remaining == 0:
             break
     check_malformed(data, malformed)

@@ -19,8 +19,8 @@ import numpy as np
 
 from app.config import DataConfig
 from app.data import DataError
+from scheduling.payload import RowStatus
 
-MALFORMED = "malformed"
 SHOWN_REASONS = 3
 """The summary line names the most common reasons up to this many, then counts the rest."""
 
@@ -52,7 +52,7 @@ class MalformedTally:
         why = np.asarray(reasons, dtype=object)
         if len(why) != len(status):
             raise ValueError(f"{len(status)} statuses but {len(why)} reasons")
-        for index in np.flatnonzero(status == MALFORMED):
+        for index in np.flatnonzero(status == RowStatus.MALFORMED):
             reason = str(why[index]) or "unknown reason"
             self.reasons[reason] += 1
             if self.first is None:

@@ -12,8 +12,9 @@ with the read into one task (app/data/ray_ops.py says why not an actor).
 
 The planner numbers samples by their position in this stream and resumes by skipping a count, so the
 pipeline sets `DataContext.preserve_order = True` and reads files in sorted order. Everything that can be
-wrong with the input (missing path, unknown format, a tokenizer that does not load) is checked here, on
-the driver, before any Ray task starts. Nothing here calls `ray.init`: the caller owns the cluster.
+wrong with the input (missing path, unknown format, a tokenizer that does not load) was checked on the
+driver, before any Ray task starts, by resolve_data (app/data/resolved.py), whose result the pipeline
+takes. Nothing here calls `ray.init`: the caller owns the cluster.
 """
 
 from __future__ import annotations
@@ -28,14 +29,13 @@ import numpy as np
 
 from app.config import DataConfig
 from app.data import DataError
-from app.data.chat_template import check_chat_template, is_template_file, read_template_file
-from app.data.formats import check_format_settings, count_formats, describe_formats
+from app.data.formats import count_formats, describe_formats
 from app.data.malformed import MalformedTally, check_malformed, data_location
 from app.data.ray_ops import synthesize_and_tokenize, tokenize
-from app.data.readers import arrow_table, resolve_source
+from app.data.readers import DataSource, arrow_table
+from app.data.resolved import ResolvedData
 from app.data.template import TemplateSettings
-from app.data.tokenizer import load_tokenizer
-from scheduling.payload import ROW_STATUSES, USABLE_STATUSES
+from scheduling.payload import ROW_STATUSES, USABLE_STATUSES, RowStatus
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,47 +78,33 @@ class DataScan:
         """
         parts = [f"{self.num_usable}/{self.num_rows} rows usable",
                  f"{int(self.lengths.sum())} tokens ({self.label_tokens} label tokens)"]
-        parts += [self._status_part(status, n) for status, n in self.counts.items() if n and status != "ok"]
+        parts += [self._status_part(status, n) for status, n in self.counts.items()
+                  if n and status != RowStatus.OK]
         formats = describe_formats(self.formats)
         return "data: " + ", ".join(parts) + (f"; {formats}" if formats else "")
 
     def _status_part(self, status: str, n: int) -> str:
         """`status=n`, for malformed rows followed by their reasons and the first one."""
-        breakdown = self.malformed.breakdown() if status == "malformed" else ""
+        breakdown = self.malformed.breakdown() if status == RowStatus.MALFORMED else ""
         return f"{status}={n} ({breakdown})" if breakdown else f"{status}={n}"
 
 
-def template_settings(data: DataConfig, max_length: int | None) -> TemplateSettings:
-    """The data.* template knobs; a data.chat_template file is read here, on the driver (DataError)."""
-    template_text = read_template_file(data.chat_template) if is_template_file(data.chat_template) else ""
-    return TemplateSettings(chat_template=data.chat_template, labels=data.labels, max_length=max_length,
-                            too_long=data.too_long, truncate_side=data.truncate_side,
-                            format_type=data.format_type, columns=data.columns, add_eos=data.add_eos,
-                            template_text=template_text)
-
-
-def tokenized_dataset(data: DataConfig, *, max_length: int, num_cpus: float) -> Any:
+def tokenized_dataset(data: ResolvedData, *, num_cpus: float) -> Any:
     """The run's tokenized rows as a lazy `ray.data.Dataset` (columns: see module docstring).
 
-    max_length is the run's longest sequence (SkrullConfig.max_sequence_length); num_cpus what each Ray
-    Data actor reserves (resources.data_cpus). Raises DataError before starting anything if data.path /
-    data.format / data.tokenizer are unusable.
+    `data` is what preflight resolved (app/data/resolved.py): its sources, template settings (with the
+    run's longest sequence) and tokenizer were checked there, so nothing here can fail on bad input
+    before Ray runs. num_cpus: what each Ray Data task reserves (resources.data_cpus).
     """
     import ray.data
 
-    tok = load_tokenizer(data.tokenizer)  # fail on the driver, not inside an actor
-    if data.source == "synthetic":
-        tok.require_chat_ids()
-    settings = template_settings(data, max_length)
-    check_chat_template(tok, settings)  # app/data/chat_template.py
-    check_format_settings(data.format_type, data.columns)  # a bad data.columns: here, not in a Ray task
     ray.data.DataContext.get_current().execution_options.preserve_order = True
-    if data.source == "synthetic":
-        return _synthetic_dataset(data, settings, num_cpus)
-    source, json_lines = _source_dataset(data)
+    if data.source is None:
+        return _synthetic_dataset(data.config, data.settings, num_cpus)
+    source, json_lines = _source_dataset(data.source)
     return source.map_batches(
-        tokenize, fn_kwargs={"tokenize": (data.tokenizer, settings, json_lines)},
-        batch_size=data.tokenize_batch_size, batch_format="pyarrow",
+        tokenize, fn_kwargs={"tokenize": (data.config.tokenizer, data.settings, json_lines)},
+        batch_size=data.config.tokenize_batch_size, batch_format="pyarrow",
         compute=ray.data.TaskPoolStrategy(size=1), num_cpus=num_cpus,
     )
 
@@ -139,8 +125,9 @@ def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: f
     )
 
 
-def _source_dataset(data: DataConfig) -> tuple[Any, bool]:
-    """(rows dataset of data.path, every column; whether its `text` column holds raw JSONL lines).
+def _source_dataset(source: DataSource) -> tuple[Any, bool]:
+    """(rows dataset of a resolved data.path, every column; whether its `text` column holds raw JSONL
+    lines).
 
     A `datasets` source (save_to_disk or load_dataset) goes in as the Arrow table resolve_source already
     loaded, which is what `ray.data.from_huggingface` does with a local Dataset, minus its first step: that
@@ -149,7 +136,6 @@ def _source_dataset(data: DataConfig) -> tuple[Any, bool]:
     """
     import ray.data
 
-    source = resolve_source(data)
     if source.format == "parquet":
         return read_parquet(source.files, source.filesystem), False
     if source.format == "jsonl":
@@ -219,7 +205,7 @@ def scan_dataset(dataset: Any, data: DataConfig, *, max_length: int) -> DataScan
     scan = DataScan(num_rows=len(status), lengths=num_tokens[usable], counts=counts,
                     label_tokens=int(label_tokens[usable].sum()), positions=np.flatnonzero(usable),
                     malformed=malformed, formats=dict(formats.most_common()))
-    check_scan(data, scan, raw_tokens[status == "too_long"], max_length=max_length)
+    check_scan(data, scan, raw_tokens[status == RowStatus.TOO_LONG], max_length=max_length)
     return scan
 
 
@@ -241,10 +227,10 @@ def check_scan(data: DataConfig, scan: DataScan, too_long_lengths: np.ndarray, *
         where = data_location(data)
         bad = ", ".join(f"{k}={v}" for k, v in scan.counts.items() if v)
         hints: list[str] = []
-        if scan.counts.get("empty"):
+        if scan.counts.get(RowStatus.EMPTY):
             hints.append(f"empty rows have no label token (data.labels={data.labels}; with assistant a chat "
                          "needs an assistant turn, and a row of one token has no next token to learn)")
-        if scan.counts.get("truncated_empty"):
+        if scan.counts.get(RowStatus.TRUNCATED_EMPTY):
             hints.append(f"truncation to {max_length} tokens cut every label token away (data.too_long="
                          f"truncate, data.truncate_side={data.truncate_side}; left keeps the end of a chat): "
                          "raise data.max_length or scheduling.bucket_size * parallel.cp_size")

@@ -53,7 +53,7 @@ class PreviewRow:
 
 def preview_rows(config: SkrullConfig, count: int) -> tuple[list[PreviewRow], TextTokenizer]:
     """The first `count` rows of the run's data, tokenized with the run's settings, and the tokenizer."""
-    from app.data.pipeline import template_settings
+    from app.data.resolved import template_settings
 
     tok = load_tokenizer(config.data.tokenizer)
     settings = template_settings(config.data, config.max_sequence_length)

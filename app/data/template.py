@@ -39,7 +39,8 @@ E = <|im_end|>, _ = a space):
            no label token                                                                -> truncated_empty
 
 Left keeps the end of the conversation, so on long-context / short-answer data (a long user context, a
-short answer last) the last answer survives whole whenever it fits; right keeps the start (the old rule).
+short answer last) the last answer survives whole whenever it fits; right keeps the start (for data whose
+long part is the answer).
 
 Status of a row (never raised: the consumer counts and skips), decided in this order:
     malformed        the row format cannot read it, or the template cannot render it; `reason` says what,
@@ -72,12 +73,12 @@ from app.data.chat_template import chat_spans, resolve_template
 from app.data.conversation import Conversation, MalformedRow
 from app.data.formats import column_map, to_conversation
 from app.data.tokenizer import TextTokenizer
-from scheduling.payload import IGNORE_INDEX
+from scheduling.payload import IGNORE_INDEX, RowStatus
 
 __all__ = ["MalformedRow", "TemplateSettings", "TokenizedRows", "count_label_tokens", "render",
            "tokenize_rows"]
 
-_TOO_LONG_STATUS = {"truncate": "truncated", "drop": "dropped", "error": "too_long"}
+_TOO_LONG_STATUS = {"truncate": RowStatus.TRUNCATED, "drop": RowStatus.DROPPED, "error": RowStatus.TOO_LONG}
 _TRUNCATE_SIDES = ("left", "right")
 NONE_TEMPLATE_REASON = ("data.chat_template=none renders one user -> assistant exchange (an optional system "
                         "message first), not this chat; use a chat template for multi-turn and tool chats")
@@ -88,7 +89,7 @@ class TemplateSettings:
     """How rows become tokens: the data.* knobs of the template, the labels and the length limit.
 
     chat_template: data.chat_template (auto | model | chatml | none | a Jinja file's path); template_text:
-    that file's text, read on the driver (app/data/pipeline.py template_settings): workers need no copy.
+    that file's text, read on the driver (app/data/resolved.py template_settings): workers need no copy.
     columns: data.columns as sorted (key, value) pairs (hashable: settings key the workers' caches).
     truncate_side (with too_long=truncate): "left" keeps the LAST max_length tokens (drops the oldest
     context, so the last answer survives), "right" keeps the FIRST max_length.
@@ -257,17 +258,17 @@ def _apply_limit(ids: np.ndarray, labels: np.ndarray,
     Rows that are not ok / truncated come back with empty ids and labels.
     """
     if count_label_tokens(labels) == 0:
-        return ids[:0], labels[:0], "empty"
+        return ids[:0], labels[:0], RowStatus.EMPTY
     limit = settings.max_length
     if limit is None or len(ids) <= limit:
-        return ids, labels, "ok"
+        return ids, labels, RowStatus.OK
     status = _TOO_LONG_STATUS[settings.too_long]
-    if status != "truncated":
+    if status != RowStatus.TRUNCATED:
         return ids[:0], labels[:0], status
     window = slice(len(ids) - limit, None) if settings.truncate_side == "left" else slice(0, limit)
     ids, labels = ids[window], labels[window]
     if count_label_tokens(labels) == 0:
-        return ids[:0], labels[:0], "truncated_empty"
+        return ids[:0], labels[:0], RowStatus.TRUNCATED_EMPTY
     return ids, labels, status
 
 
@@ -296,7 +297,7 @@ def tokenize_rows(rows: Sequence[Mapping[str, Any]], tok: TextTokenizer,
     empty = np.zeros(0, dtype=np.int32)
     for result, row_format in zip(_encode(layouts, tok, settings), formats, strict=True):
         if isinstance(result, str):
-            ids, labels, status, raw, row_format = empty, empty, "malformed", 0, ""
+            ids, labels, status, raw, row_format = empty, empty, RowStatus.MALFORMED, 0, ""
         else:
             ids, labels, status = _apply_limit(*result, settings)
             raw = len(result[0])

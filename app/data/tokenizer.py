@@ -113,6 +113,11 @@ class TextTokenizer:
         return self.cache["hf"]
 
 
+def vocab_size_of(tokenizer: str | TextTokenizer) -> int:
+    """The vocabulary size of a loaded tokenizer, or of data.tokenizer's (loaded for it)."""
+    return (load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer).vocab_size
+
+
 def load_tokenizer(name: str) -> TextTokenizer:
     """`qwen` -> the offline Qwen2.5 vocabulary; otherwise a HF tokenizer directory / tokenizer.json."""
     if name == "qwen":

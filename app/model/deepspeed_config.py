@@ -19,8 +19,8 @@ Why these settings:
   the CPU tensor `ds_to_universal` saved. foreach hosts `step` on the CPU by design (torch/optim/adam.py,
   "special device hosting for step"). What fused would save is small: ZeRO-2 hands the optimizer one flat
   fp32 partition per group, so foreach is a handful of memory-bound passes over it (milliseconds for 7B's
-  partition on 8 GPUs) against steps of seconds. On CPU torch's default, as before (a for-loop: foreach
-  and fused are off by default for CPU tensors).
+  partition on 8 GPUs) against steps of seconds. On CPU torch's default (a for-loop: foreach and fused
+  are off by default for CPU tensors).
 - No `scheduler` section: the learning-rate schedule (train.lr_scheduler, warmup, min_lr_ratio) is torch's
   LambdaLR over workers/lr_schedule.py, handed to `deepspeed.initialize` as the client scheduler, because
   it must follow the run's global step across resumes and skipped updates, and DeepSpeed's WarmupLR has no

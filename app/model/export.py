@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import ConfigError, SkrullConfig, load_config
-from app.train.preflight import CONFIG_SNAPSHOT
+from app.rundir.files import CONFIG_SNAPSHOT
 
 STANDARD_ATTENTION = "sdpa"
 """What the exported model runs with: transformers' own attention, so no "dacp" registration is needed."""
@@ -143,10 +143,10 @@ def _prepare_for_inference(model: Any, dtype: str, tokenizer: Any) -> Any:
 
 
 def _trained_template(run_dir: str, config: Any) -> str | None:
-    """The template text the run recorded at its start (app/train/preflight.py TEMPLATE_SNAPSHOT); a run from
+    """The template text the run recorded at its start (app/rundir/snapshot.py TEMPLATE_SNAPSHOT); a run from
     before that record resolves data.chat_template again."""
     from app.model.export_tokenizer import run_chat_template
-    from app.train.preflight import TEMPLATE_SNAPSHOT
+    from app.rundir.files import TEMPLATE_SNAPSHOT
     from workers.storage import Location
 
     recorded = Location.of(run_dir) / TEMPLATE_SNAPSHOT

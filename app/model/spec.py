@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from app.config import ModelConfig, TrainConfig
 from workers.models import ModelSpec
 from workers.presets import is_tiny_preset
 
+if TYPE_CHECKING:
+    from app.data.tokenizer import TextTokenizer
 
-def model_spec(model: ModelConfig, train: TrainConfig, *, tokenizer: str) -> ModelSpec:
-    """`tokenizer` (data.tokenizer) sizes a random-init preset's vocabulary when model.vocab_size is 0."""
+
+def model_spec(model: ModelConfig, train: TrainConfig, *, tokenizer: str | TextTokenizer) -> ModelSpec:
+    """`tokenizer` (data.tokenizer, or the run's loaded one) sizes a random-init preset's vocabulary when
+    model.vocab_size is 0."""
     vocab_size = model.vocab_size
     if not vocab_size and is_tiny_preset(model.name_or_path):
-        from app.data.tokenizer import load_tokenizer
+        from app.data.tokenizer import vocab_size_of
 
         # A random-init preset must cover every id the configured tokenizer emits.
-        vocab_size = load_tokenizer(tokenizer).vocab_size
+        vocab_size = vocab_size_of(tokenizer)
     return ModelSpec(
         name_or_path=model.name_or_path, random_init=model.random_init, dtype=model.dtype,
         vocab_size=vocab_size, num_attention_heads=model.num_attention_heads,

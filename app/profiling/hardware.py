@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.config import CONFIG_DIR, ConfigError, HardwareConfig, ModelConfig, SkrullConfig, load_yaml
 from scheduling import CostModel, HardwareProfile
 from scheduling.cost import CostFormula
 from workers.presets import TINY_DEFAULTS, is_tiny_preset
+
+if TYPE_CHECKING:
+    from app.data.tokenizer import TextTokenizer
 
 HARDWARE_DIR = CONFIG_DIR / "hardware"
 
@@ -42,7 +46,7 @@ class ModelDims:
     vocab_size: int
 
 
-def model_dims(model: ModelConfig, tokenizer: str = "qwen") -> ModelDims:
+def model_dims(model: ModelConfig, tokenizer: str | TextTokenizer = "qwen") -> ModelDims:
     """The cost model's dimensions: from the config where set, else from the model.
 
     A tiny preset's come from its defaults (overridden by the config's fields; its vocabulary is the
@@ -59,15 +63,15 @@ def model_dims(model: ModelConfig, tokenizer: str = "qwen") -> ModelDims:
     return _hf_dims(model)
 
 
-def _tiny_dims(model: ModelConfig, tokenizer: str) -> ModelDims:
+def _tiny_dims(model: ModelConfig, tokenizer: str | TextTokenizer) -> ModelDims:
     hidden = model.hidden_size or TINY_DEFAULTS["hidden_size"]
     heads = model.num_attention_heads or TINY_DEFAULTS["num_attention_heads"]
     kv_heads = model.num_key_value_heads or TINY_DEFAULTS["num_key_value_heads"]
     vocab = model.vocab_size
     if not vocab:
-        from app.data.tokenizer import load_tokenizer
+        from app.data.tokenizer import vocab_size_of
 
-        vocab = load_tokenizer(tokenizer).vocab_size
+        vocab = vocab_size_of(tokenizer)
     return ModelDims(hidden, model.kv_hidden_size or kv_heads * (hidden // heads),
                      model.num_layers or TINY_DEFAULTS["num_layers"],
                      model.intermediate_size or TINY_DEFAULTS["intermediate_size"], vocab)
@@ -94,7 +98,7 @@ def _hf_dims(model: ModelConfig) -> ModelDims:
 
 
 def cost_model_from_config(model: ModelConfig, hardware: HardwareConfig, *, formula: CostFormula = "paper",
-                           tokenizer: str = "qwen") -> CostModel:
+                           tokenizer: str | TextTokenizer = "qwen") -> CostModel:
     """The cost model (scheduling.cost_formula) of the model's dimensions on hardware.profile.
 
     The paper formula reads h, h_kv and L only, so it never loads the tokenizer for a tiny preset's
@@ -111,7 +115,8 @@ def cost_model_from_config(model: ModelConfig, hardware: HardwareConfig, *, form
         intermediate_size=dims.intermediate_size, vocab_size=dims.vocab_size)
 
 
-def cost_model(config: SkrullConfig) -> CostModel:
-    """The run's cost model: scheduling.cost_formula over the model's dimensions and hardware.profile."""
+def cost_model(config: SkrullConfig, *, tokenizer: TextTokenizer | None = None) -> CostModel:
+    """The run's cost model: scheduling.cost_formula over the model's dimensions and hardware.profile;
+    `tokenizer`: the run's loaded one (else data.tokenizer is loaded when a tiny preset needs its size)."""
     return cost_model_from_config(config.model, config.hardware, formula=config.scheduling.cost_formula,
-                                  tokenizer=config.data.tokenizer)
+                                  tokenizer=tokenizer or config.data.tokenizer)

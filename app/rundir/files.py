@@ -12,6 +12,8 @@ needs nothing but the run directory:
     <run_dir>/data_summary.json    the data scan of the newest `train` call (rows, tokens, statuses)
     <run_dir>/mlflow_run.json      {"tracking_uri", "run_id"}: the MLflow run a resumed run continues
     <run_dir>/wandb_run.json       {"project", "entity", "run_id"}: the W&B run a resumed run continues
+    <run_dir>/skrull_config.json, skrull_data.json, chat_template.jinja
+                                   what the run started with (app/rundir/snapshot.py)
 
 Consistency while a run is being written: each JSONL record is one write() of one whole line on a file
 opened for appending, and readers take complete lines only (a torn last line, from a writer caught
@@ -26,10 +28,8 @@ import contextlib
 import json
 import math
 import os
-import secrets
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,13 @@ STARTS_FILE = "worker_starts.jsonl"
 DATA_SUMMARY_FILE = "data_summary.json"
 MLFLOW_RUN_FILE = "mlflow_run.json"
 WANDB_RUN_FILE = "wandb_run.json"
-CONFIG_FILE = "skrull_config.json"  # app/train/preflight.py CONFIG_SNAPSHOT writes it
+CONFIG_SNAPSHOT = "skrull_config.json"
+"""The config a run started with, URIs redacted (app/rundir/snapshot.py writes and compares it)."""
+DATA_SNAPSHOT = "skrull_data.json"
+"""The data the run started with: {"data.path": fingerprint, "data.eval_path": fingerprint or absent}
+(app/data/fingerprint.py), compared like the math keys; a run without one resumes unchecked."""
+TEMPLATE_SNAPSHOT = "chat_template.jinja"
+"""The chat template the run rendered its chats with (absent: data.chat_template=none)."""
 
 
 def jsonable(value: Any) -> Any:
@@ -98,23 +104,6 @@ def read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
-class RunLog:
-    """The driver's sink for one `train` call: step records to metrics.jsonl, group starts to
-    worker_starts.jsonl (both appended, so a resumed run continues the same files)."""
-
-    def __init__(self, run_dir: str | Path, total_steps: int) -> None:
-        self.run_dir = Path(run_dir)
-        self._total_steps = total_steps
-        self._driver = secrets.token_hex(4)  # one id per `train` call: restarts are counted within it
-
-    def record(self, metrics: dict[str, Any]) -> None:
-        append_jsonl(self.run_dir / METRICS_FILE, metrics)
-
-    def group_started(self, start: dict[str, Any]) -> None:
-        append_jsonl(self.run_dir / STARTS_FILE, {"driver": self._driver, **start,
-                                                  "total_steps": self._total_steps, "time": time.time()})
-
-
 def data_summary(scan: Any, *, train_rows: int, eval_rows: int = 0) -> dict[str, Any]:
     """The data scan (app/data/pipeline.py DataScan) as data_summary.json's document."""
     lengths = [int(n) for n in scan.lengths]
@@ -134,10 +123,10 @@ def write_data_summary(run_dir: str | Path, summary: dict[str, Any]) -> None:
 def read_run(run_dir: str | Path) -> dict[str, Any]:
     """Everything `report` reads: {"config", "records", "starts", "data"} (missing parts empty / None)."""
     root = Path(run_dir)
-    return {"config": read_json(root / CONFIG_FILE), "records": read_jsonl(root / METRICS_FILE),
+    return {"config": read_json(root / CONFIG_SNAPSHOT), "records": read_jsonl(root / METRICS_FILE),
             "starts": read_jsonl(root / STARTS_FILE), "data": read_json(root / DATA_SUMMARY_FILE)}
 
 
 def is_run_dir(run_dir: str | Path) -> bool:
     """A directory `train` made: it holds the config snapshot."""
-    return (Path(run_dir) / CONFIG_FILE).is_file()
+    return (Path(run_dir) / CONFIG_SNAPSHOT).is_file()

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 
 from app.config import ConfigError
 from app.rundir.files import MLFLOW_RUN_FILE, read_json, write_json
+from app.sinks.base import RunStatus
 from app.sinks.tensorboard import scalars
 
 DEFAULT_EXPERIMENT = "skrull"
@@ -128,7 +129,7 @@ class MlflowLog:
                   "every step", file=self._out, flush=True)
             self.run_id = None
 
-    def close(self, status: str = "FINISHED") -> None:
+    def close(self, status: RunStatus = RunStatus.FINISHED) -> None:
         """Mark the MLflow run FINISHED, FAILED or KILLED."""
         from mlflow.exceptions import MlflowException
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.sinks.base import RunStatus
+
 TENSORBOARD_DIR = "tensorboard"
 SKIPPED = frozenset({"step", "session", "warmup"})
 """Record keys that are not curves (the step is the x axis)."""
@@ -44,5 +46,5 @@ class TensorBoardLog:
         for tag, value in scalars(metrics).items():
             self._writer.add_scalar(tag, value, global_step=step)
 
-    def close(self) -> None:
+    def close(self, status: RunStatus = RunStatus.FINISHED) -> None:
         self._writer.close()

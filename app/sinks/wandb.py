@@ -5,7 +5,7 @@ thread; the W&B counterpart of app/sinks/mlflow.py).
                          my-project  one W&B run per Skrull run in that project
     train.wandb_entity:  ""          the API key's default entity (user or team); or a team's name
 
-One W&B run per Skrull run: named run.name, with the config (the snapshot app/train/preflight.py writes,
+One W&B run per Skrull run: named run.name, with the config (the snapshot app/rundir/snapshot.py writes,
 nested: W&B shows `train.lr`, `model.name_or_path`, ... and keeps numbers as numbers) and each step's numeric
 metrics (the same scalars as TensorBoard and MLflow, app/sinks/tensorboard.py; non-finite values left out)
 with the training step as W&B's own step. The run id is drawn once and kept in <run_dir>/wandb_run.json, so
@@ -36,6 +36,7 @@ from typing import Any, TextIO
 
 from app.config import ConfigError
 from app.rundir.files import WANDB_RUN_FILE, read_json, write_json
+from app.sinks.base import RunStatus
 from app.sinks.tensorboard import scalars
 
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
@@ -127,10 +128,10 @@ class WandbLog:
             return
         self._next_step = step + 1
 
-    def close(self, status: str = "FINISHED") -> None:
+    def close(self, status: RunStatus = RunStatus.FINISHED) -> None:
         """Finish the W&B run: exit code 0 for FINISHED, 1 for FAILED or KILLED (never raises; after a
         failed write too, so W&B's own process ends with the run)."""
         if self._run is not None:
             with contextlib.suppress(Exception):
-                self._run.finish(exit_code=0 if status == "FINISHED" else 1)
+                self._run.finish(exit_code=0 if status == RunStatus.FINISHED else 1)
             self._run, self._logging = None, False

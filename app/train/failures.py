@@ -9,7 +9,7 @@ Two ways a failure reaches the driver:
   run.storage_path and the free space, instead of a traceback dozens of lines deep.
 
 `python -m app` prints a RunFailed as `skrull <command>: error: <line>` and exits 1; with --quiet the
-driver log keeps the whole story (app/train/driver.py run_console prints where it is).
+driver log keeps the whole story (app/train/console.py run_console prints where it is).
 """
 
 from __future__ import annotations

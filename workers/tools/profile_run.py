@@ -1,10 +1,10 @@
 """The measurements behind `python -m app profile`, run on every worker of a Ray Train worker group.
 
 `profile_loop_per_worker` is a Ray Train loop: `profile` starts the same TorchTrainer as `train`
-(app/train/driver.py `make_trainer`: same resources per worker, process group backend and timeouts), so every
-number below is taken in the process tree training runs in. That matters on a small host: Ray starts its
-workers at a lower scheduling priority than its own daemons (raylet's worker_niceness, 15) and beside
-them, and the same planned steps took 11-29% longer in Ray Train workers than in plain
+(app/train/components.py `make_trainer`: same resources per worker, process group backend and timeouts),
+so every number below is taken in the process tree training runs in. That matters on a small host: Ray
+starts its workers at a lower scheduling priority than its own daemons (raylet's worker_niceness, 15) and
+beside them, and the same planned steps took 11-29% longer in Ray Train workers than in plain
 torch.distributed processes (docs/benchmarks.md §0b).
 
 Every rank builds the configured model (same spec, dtype and attention backend as a training worker)

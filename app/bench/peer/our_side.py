@@ -20,24 +20,20 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.bench.peer.rows import WARMUP_STEPS, check_peer_config
+from app.bench.peer.rows import POLICIES, check_peer_config
 from app.config import SkrullConfig, load_config
 from app.rundir.files import jsonable
 
-POLICIES = ("skrull", "balanced_packed")
 STEP_KEYS = ("step", "warmup", "step_s", "loss", "grad_norm", "tokens", "label_tokens", "sample_ids",
              "micro_batches", "planner_wait_s", "rank_cpu_s")
 
 
 def run_ours(config: SkrullConfig, steps: int, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
     """bench train of `policies` on WARMUP_STEPS + `steps` global batches; every step of every policy."""
-    from app.bench.driver import WARMUP_STEPS as BENCH_WARMUP
     from app.bench.driver import bench_train
     from app.bench.summary import summarize
 
     check_peer_config(config)
-    if BENCH_WARMUP != WARMUP_STEPS:  # both sides must leave out the same leading steps
-        raise RuntimeError(f"bench train warms up {BENCH_WARMUP} steps, bench peer {WARMUP_STEPS}")
     result = bench_train(config, policies, steps, progress=False, quiet=True)
     summary = summarize(result)
     per_policy = {p: [_step(record) for record in result.records if record["policy"] == p] for p in policies}

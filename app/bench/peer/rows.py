@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.bench.driver import WARMUP_STEPS
 from app.config import ConfigError, SkrullConfig
 from app.data.preview import PreviewRow, preview_rows
 from scheduling.payload import USABLE_STATUSES
 
-WARMUP_STEPS = 1
-"""Leading optimizer steps both sides run and leave out of tokens/s (as app/bench/driver.py does)."""
+POLICIES = ("skrull", "balanced_packed")
+"""This project's side of `bench peer`: the product's policy and the strongest conventional baseline."""
 
 
 @dataclass(frozen=True)
