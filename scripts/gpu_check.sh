@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need NVIDIA GPUs, in stages that can be run (and re-run) alone:
-#   bash scripts/gpu_check.sh install|kernels|verify|profile|bench|all [python]
+#   bash scripts/gpu_check.sh install|kernels|verify|train|profile|bench|all [python]
 # Each stage prints its numbers and writes them under $OUT (default: a new temporary directory, printed), and
 # is stopped after SKRULL_STAGE_TIMEOUT_S seconds (default 600: each stage fits 10 minutes, or fails).
 #   install  scripts/setup.sh: the CUDA torch that matches the driver (scripts/torch_cuda.sh), the project
@@ -9,42 +9,66 @@
 #            least one test ran (all skipped = no CUDA in that Python = failure)
 #   verify   `python -m app verify` on CUDA in bf16: every --distribute mode, tiny Qwen2 and Qwen2.5-0.5B's
 #            dimensions; with >= 2 GPUs also over NCCL with --cp 2 (the ring)
+#   train    `python -m app train` of Qwen2.5-0.5B's shape (random weights, synthetic LMSYS-like data, bf16,
+#            attention_backend auto) on one GPU through the product's whole path (embedded Ray, Ray Train,
+#            DeepSpeed ZeRO-2, the planner actor), 20 steps -> $OUT/train.json: tokens/s, MFU, peak GPU
+#            memory against the memory model's, predicted against measured step time, all read from the
+#            run's own records (`report`'s summary of metrics.jsonl, the run's config)
 #   profile  `python -m app profile` of Qwen2.5-0.5B's shape (random weights, synthetic data) on this node's
 #            GPUs (DP 1 x CP = GPUs, at most 8) -> $OUT/gpu.yaml, a hardware profile of this machine
 #   bench    `python -m app bench train` of the same run, with $OUT/gpu.yaml (else configs/hardware/h100.yaml)
-#   all      every stage in that order, stopping at the first that fails
-# Without CUDA it fails at once, saying so. [python]: the interpreter for every stage but install (default
-# ./.venv/bin/python, where install puts everything, else python3).
+#   all      every stage in that order, stopping at the first that fails; install is skipped when torch,
+#            ray and deepspeed already import in the stages' python
+# Without CUDA it fails at once, saying so.
+# The python of every stage but install: [python], else $PYTHON, else the active python3 when it has torch,
+# Ray and DeepSpeed, else ./.venv's (where install puts them), else python3. Its packages may come from
+# PYTHONPATH (a `pip install --target DIR` of an offline wheel directory: README "On a GPU cluster").
+# For tests only: SKRULL_GPU_CHECK_FAKE_CUDA=1 skips the CUDA checks, and SKRULL_GPU_CHECK_TRAIN_SET="k=v ..."
+# appends --set overrides to train's (tests/test_gpu_check_script.py runs train's command line on CPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGES=(install kernels verify profile bench)
-usage="usage: bash scripts/gpu_check.sh install|kernels|verify|profile|bench|all [python]"
+STAGES=(install kernels verify train profile bench)
+usage="usage: bash scripts/gpu_check.sh install|kernels|verify|train|profile|bench|all [python]"
 stage=${1:-}
 if [ -z "$stage" ] || { [ "$stage" != all ] && [[ ! " ${STAGES[*]} " == *" $stage "* ]]; }; then
   echo "$usage" >&2
   exit 2
 fi
-py_given=${2:+yes}
-py=${2:-}
-venv_python() {  # the default interpreter: ./.venv's, where install puts everything, else python3
-  if [ -n "$py_given" ]; then return; fi
-  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+case ":${PYTHONPATH:-}:" in  # the checkout first (the stages run `-m app`), then the caller's packages
+  ":$(pwd):"*) ;;
+  *) export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH} ;;
+esac
+export PYTHONUNBUFFERED=1
+py=${2:-${PYTHON:-}}
+py_given=${py:+yes}
+has_stack() {  # $1 finds torch, ray and deepspeed (found, not imported: milliseconds)
+  "$1" -c 'import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ("torch", "ray", "deepspeed")))' >/dev/null 2>&1
 }
-venv_python
+pick_python() {  # unless given: the active python3 with the stack, else ./.venv's, else python3
+  if [ -n "$py_given" ]; then return; fi
+  if has_stack python3; then py=python3; elif [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+}
+pick_python
 export OUT=${OUT:-$(mktemp -d -t skrull-gpu-check-XXXXXX)}
 mkdir -p "$OUT"
-export PYTHONPATH=$(pwd)${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 limit=${SKRULL_STAGE_TIMEOUT_S:-600}
 
 fail() { echo "gpu_check $stage: $*" >&2; exit 1; }
 
 # The NVIDIA driver (every stage), then a CUDA device seen by torch in $py (every stage after install).
+fake_cuda() {  # tests only: run a stage's command line on a machine without CUDA
+  [ "${SKRULL_GPU_CHECK_FAKE_CUDA:-}" = 1 ] || return 1
+  echo "gpu_check $stage: SKRULL_GPU_CHECK_FAKE_CUDA=1: the CUDA checks are skipped (tests only)" >&2
+}
 need_driver() {
+  fake_cuda && return
   command -v nvidia-smi >/dev/null 2>&1 \
     || fail "CUDA is not available: no nvidia-smi (no NVIDIA driver); these checks need an NVIDIA GPU"
   nvidia-smi -L >/dev/null 2>&1 || fail "CUDA is not available: nvidia-smi fails ($(nvidia-smi -L 2>&1 | head -n 1))"
 }
 need_cuda() {
+  fake_cuda && return
   need_driver
   if ! "$py" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
     local torch_line
@@ -138,6 +162,92 @@ stage_verify() {
   return "$rc"
 }
 
+# train: one GPU, Qwen2.5-0.5B's shape, TRAIN_STEPS steps of 64 sequences, then train.json from its run.
+TRAIN_STEPS=20
+stage_train() {
+  need_cuda
+  local profile=h100 overrides=() override
+  [ -f "$OUT/gpu.yaml" ] && profile=$OUT/gpu.yaml
+  read -r -a overrides <<< "${SKRULL_GPU_CHECK_TRAIN_SET:-}"
+  local run=(--config configs/qwen2.5-0.5b-gpu.yaml "${QWEN05[@]}" --set data.source=synthetic
+    --set data.distribution=lmsys --set data.num_samples=$((64 * TRAIN_STEPS)) --set parallel.num_workers=1
+    --set parallel.cp_size=1 --set scheduling.global_batch_size=64 --set scheduling.bucket_size=16384
+    --set train.steps=$TRAIN_STEPS --set hardware.profile="$profile" --set resources.cpus_per_worker=1
+    --set run.storage_path="$OUT/runs" --set run.name=train)
+  for override in "${overrides[@]}"; do run+=(--set "$override"); done
+  rm -rf "$OUT/runs/train"  # a re-run trains afresh: the finished run would otherwise be resumed
+  # An embedded Ray of its own (no RAY_ADDRESS): the product's path on this node alone.
+  run_json train_run env -u RAY_ADDRESS "$py" -m app train "${run[@]}" --json || return 1
+  "$py" - "$OUT/train_run.json" "$OUT/train.json" <<'EOF'
+"""train.json from the run's own records: `report`'s summary of metrics.jsonl and the run's saved config,
+beside the memory model (the terms of `profile`'s BucketSize) and the hardware profile's step times."""
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from app.config import load_config
+from app.profiling.hardware import cost_model
+from app.train.preflight import CONFIG_SNAPSHOT
+from app.train.report import run_report
+
+run_dir = json.loads(Path(sys.argv[1]).read_text())["run_dir"]
+report, config = run_report(run_dir), load_config(Path(run_dir) / CONFIG_SNAPSHOT)
+history, cost = report["history"], cost_model(config)
+world = int(history[-1]["world_size"])
+# The memory model of `profile`'s BucketSize: weights and gradients in the training dtype, fp32 Adam state
+# (master, m, v) partitioned over the W ranks by ZeRO-2, and alpha bytes per token of a full bucket.
+element = 2 if config.model.dtype == "bf16" else 4
+static = cost.params * (2 * element + 12 / world)
+alpha = cost.profile.activation_bytes_per_hidden * cost.num_layers * cost.hidden_size
+bucket = config.scheduling.bucket_size
+predicted = static + alpha * bucket
+peaks = [h["gpu_peak_bytes"] for h in history if h.get("gpu_peak_bytes") is not None]
+measured = max(peaks) if peaks else None
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+keys = ("status", "steps", "tokens", "loss_first", "loss_last", "tokens_per_s", "tokens_per_s_median",
+        "mfu_median", "step_s_median", "predicted_step_s_median", "profile_ratio")
+result = {
+    "run_dir": run_dir, **{key: report[key] for key in keys},
+    "profile": config.hardware.profile, "peak_flops": cost.profile.peak_flops,
+    "gpu_peak_bytes": measured, "predicted_peak_bytes": predicted,
+    "gpu_peak_over_predicted": None if measured is None else measured / predicted,
+    "memory_model": {"params": cost.params, "static_bytes": static, "activation_bytes_per_token": alpha,
+                     "bucket_size": bucket, "world_size": world},
+    "gpu": gpu, "python": sys.executable, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+    "torch_from": str(Path(torch.__file__).parent.parent),
+    "ray": importlib.metadata.version("ray"), "deepspeed": importlib.metadata.version("deepspeed"),
+}
+Path(sys.argv[2]).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def num(value, spec=".3g"):
+    return "-" if value is None else format(value, spec)
+
+
+def gb(value):
+    return "-" if value is None else f"{value / 1e9:.2f} GB"
+
+
+r = report
+print(f"train: {r['steps']} steps ({r['status']}), {r['tokens']} tokens on {gpu or 'no GPU'}, loss "
+      f"{num(r['loss_first'], '.4f')} -> {num(r['loss_last'], '.4f')}")
+print(f"  tokens/s    {num(r['tokens_per_s'], '.0f')} overall, {num(r['tokens_per_s_median'], '.0f')} median "
+      f"step; MFU median {num(r['mfu_median'])} of {cost.profile.peak_flops:.3g} FLOP/s")
+print(f"  step time   {num(r['step_s_median'])} s measured, {num(r['predicted_step_s_median'])} s predicted "
+      f"(medians; hardware.profile={config.hardware.profile}, predicted / measured {num(r['profile_ratio'])})")
+print(f"  GPU memory  {gb(measured)} peak allocated, {gb(predicted)} predicted (static {gb(static)} + "
+      f"{alpha / 1e3:.0f} KB/token x bucket {bucket})")
+print(f"train.json: {sys.argv[2]}")
+if r["status"] != "finished":
+    sys.exit(f"gpu_check train: the run is {r['status']!r}, not finished")
+if gpu is not None and measured is None:
+    sys.exit("gpu_check train: the workers recorded no gpu_peak_bytes on CUDA")
+EOF
+}
+
 stage_profile() {
   need_cuda
   node_run
@@ -163,9 +273,20 @@ fi
 echo "gpu_check: results in $OUT"
 for name in "${STAGES[@]}"; do
   [ "$stage" = all ] || [ "$stage" = "$name" ] || continue
-  venv_python  # after install: ./.venv's (unless a python was given)
+  pick_python  # after install: ./.venv's (unless a python was given or python3 has the stack)
+  if [ "$stage" = all ] && [ "$name" = install ]; then
+    if stack=$("$py" -c 'import torch, ray, deepspeed
+print("torch", torch.__version__, "CUDA", torch.version.cuda, "ray", ray.__version__, "deepspeed",
+      deepspeed.__version__)' 2>&1); then
+      echo "gpu_check install: skipped: $py imports ${stack##*$'\n'}"
+      continue
+    elif [ -n "$py_given" ]; then  # install fills ./.venv, which the stages, given $py, would not use
+      fail "$py cannot import torch, ray and deepspeed (${stack##*$'\n'}): install them \
+into it or onto its PYTHONPATH (README \"On a GPU cluster\"), or give no python and let install make ./.venv"
+    fi
+  fi
   started=$(date +%s)
-  SKRULL_GPU_CHECK_STAGE=$name timeout -k 30 "$limit" bash "$0" "$name" ${py_given:+"$py"}
+  PYTHON=$py SKRULL_GPU_CHECK_STAGE=$name timeout -k 30 "$limit" bash "$0" "$name"
   rc=$?
   echo "gpu_check $name: exit $rc after $(( $(date +%s) - started )) s (results in $OUT)"
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then

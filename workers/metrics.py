@@ -27,6 +27,11 @@ between two log steps never waits on a collective or a device-to-host copy for m
       skipped_steps     steps skipped so far by this start of the worker group
       lr                the learning rate the step trained with, read from the optimizer before it
                         (identical on every rank; workers/lr_schedule.py)
+
+    on the window's last step only (the log step), on CUDA only (absent on CPU):
+      gpu_peak_bytes    max over ranks of torch.cuda.max_memory_allocated: the peak of every step so far
+                        (DeepSpeed last resets the counter while it builds the ZeRO optimizer); the caching
+                        allocator's host-side counter, read at the flush, so no step waits for it
 """
 
 from __future__ import annotations
@@ -76,15 +81,18 @@ class MetricsWindow:
         loss_sums = torch.stack([r.loss_sum for r in self.records])
         dist.all_reduce(loss_sums, group=world_group)
         nan = float("nan")
+        peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else nan
         timings = torch.tensor([[r.fetched.wait_s, nan if self.spare else r.compute_s,
-                                 computed_tokens(r.fetched.payload, spare=self.spare)] for r in self.records],
-                               dtype=torch.float64, device=device)
+                                 computed_tokens(r.fetched.payload, spare=self.spare), peak]
+                                for r in self.records], dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(timings) for _ in range(dist.get_world_size(world_group))]
         dist.all_gather(gathered, timings, group=world_group)
-        per_rank = torch.stack(gathered).cpu()  # [ranks, steps, (wait, compute, computed tokens)]
+        per_rank = torch.stack(gathered).cpu()  # [ranks, steps, (wait, compute, computed tokens, peak)]
         norms = torch.stack([r.grad_norm for r in self.records]).cpu().tolist()
         losses = loss_sums.cpu().tolist()
         metrics = [_step_metrics(r, losses[i], per_rank[:, i], norms[i]) for i, r in enumerate(self.records)]
+        if device.type == "cuda":
+            metrics[-1]["gpu_peak_bytes"] = int(per_rank[:, -1, 3].max())
         self.records = []
         return metrics
 
