@@ -288,6 +288,14 @@ class SchedulingConfig:
     parallel.cp_size that holds 1 (local) and parallel.cp_size (the whole CP group), or `auto`: every such
     power of two. [1, cp_size] is the paper's two-level DACP. Used by the skrull policy's DACP and as
     dynamic_cp's degree set."""
+    calibration: Literal["online", "off"] = "online"
+    """online: the planner refits hardware.profile's time terms from the run's own measured micro-batches
+    (scheduling/refit.py) and plans with the fitted profile, which the run directory and its checkpoints
+    keep; skrull also tries its candidate plans in turn over the first calibration_window steps of a run
+    that starts without one, so the fit sees what it chooses between. off: hardware.profile as it is, for
+    reproducible plans."""
+    calibration_window: int = 8
+    """The newest steps the online fit uses (and skrull's exploration length)."""
 
     def __post_init__(self) -> None:
         from scheduling import POLICIES  # the policy registry is the one list of names
@@ -299,6 +307,8 @@ class SchedulingConfig:
         _require(self.static_cp_micro_batch >= 1, "scheduling.static_cp_micro_batch must be >= 1")
         _require(self.prefetch >= 1, "scheduling.prefetch must be >= 1")
         _require(self.planner_timeout_s > 0, "scheduling.planner_timeout_s must be > 0 seconds")
+        _require(self.calibration_window >= 2,
+                 f"scheduling.calibration_window must be >= 2 steps, got {self.calibration_window}")
         if isinstance(self.cp_degrees, str):
             _require(self.cp_degrees == "auto",
                      f"scheduling.cp_degrees={self.cp_degrees!r}: expected a list of CP degrees (powers of "

@@ -8,13 +8,16 @@
     dacp_degrees.py  per-sequence CP degrees 1..N on aligned subgroups (scheduling.cp_degrees, design §13)
     refine.py        cost-model refinement of a DACP placement (beyond the paper)
     gds.py           Algorithm 2: LPT over DP ranks, strided micro-batches, equal counts per DP rank
-    skrull.py        the skrull policy: GDS + DACP, falling back to GDS-only when that models faster
+    skrull.py        the skrull policy: GDS + DACP, or a candidate (GDS-only, balanced_packed, dynamic_cp)
+                     that models faster
     baselines.py     static CP, packed static CP, sorted batching, the DACP-only ablation
     dynamic_cp.py    Megatron-style dynamic CP: smallest fitting power-of-two degree, S^2-balanced buckets
     policies.py      the policy registry (name -> planner), POLICIES, plan_step, check_policy
     simulate.py      modeled step time, perfect-balance bound, imbalances
     distributions.py seeded synthetic lengths of the paper's three datasets
     calibrate.py     fit a profile's mfu / micro-batch launch from measured times (bench compute)
+    refit.py         online calibration: refit a profile's time terms from a run's measured micro-batches
+    calibration.py   the planner's calibration state: recent plans, their laps, the newest fit
     order.py         an epoch's visiting order: data.shuffle's seeded permutation (the planner actor's)
     row_table.py     the planner's random access to tokenized rows by stream position
 

@@ -19,6 +19,15 @@ visited in that order, and the ids stay stream positions. The actor reads the ma
 planner columns once into a RowTable (scheduling/row_table.py, zero-copy views of the fetched blocks) and
 looks rows up by position from there, so a permuted epoch costs no re-read of the stream.
 
+Online calibration (scheduling.calibration=online, scheduling/refit.py): the planner keeps each step's plan;
+world rank 0 sends every log window's measured micro-batch and optimizer laps (`observe`), and the planner
+refits the profile's time terms from the newest `calibration_window` steps and plans every later step with
+the fitted profile. The newest fit rides on every payload fetch (Fetched.calibration), so the driver
+writes it to the run directory and the workers' checkpoints carry it; `restart` adopts a checkpoint's
+fit. Skrull's
+plans then weigh balanced_packed and dynamic_cp too, and over its first `calibration_window` steps without a
+fit it runs its candidates in turn (scheduling/skrull.py `explore`) so the fit sees what it chooses between.
+
 Eval set (EvalSource): with data.eval_fraction the reader skips the held-out positions
 (scheduling/holdout.py), so they never train and never reach samples.jsonl; `eval_payloads` plans the
 held-out rows (or data.eval_path's dataset) with the run's policy for the asking group's shape, once per
@@ -38,6 +47,7 @@ import numpy as np
 import ray
 
 from scheduling import CostModel, plan_step
+from scheduling.calibration import Calibration
 from scheduling.eval_plan import plan_eval
 from scheduling.holdout import is_held_out
 from scheduling.order import visit_order
@@ -50,6 +60,7 @@ from scheduling.payload import (
     build_rank_payloads,
     spare_payload,
 )
+from scheduling.refit import PlannedStep
 from scheduling.row_table import RowTable
 from scheduling.simulate import simulate
 
@@ -77,6 +88,10 @@ class PlannerSettings:
     cp_degrees: tuple[int, ...] | None = None
     """scheduling.cp_degrees, resolved (SkrullConfig.cp_degrees): the CP degrees the skrull policy's DACP
     may give a sequence (docs/design.md §13); None: [1, cp_size], the two-level DACP of the paper."""
+    calibration: bool = False
+    """scheduling.calibration=online (module docstring); False: the profile as given, today's plans."""
+    calibration_window: int = 8
+    """scheduling.calibration_window: the newest steps the fit uses, and skrull's exploration length."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.global_batch_size < self.dp_size or self.prefetch < 1:
@@ -119,6 +134,8 @@ class PlannerActor:
         self._rows_lock = threading.Lock()
         self._eval = EvalSource(dataset, eval_dataset, settings)
         self._cost = cost
+        self._initial_cost = cost
+        self._calibration = Calibration(settings.calibration_window)
         self._plan_ms: list[float] = []
         self._status_counts: dict[str, int] = {}
         self._cond = threading.Condition()
@@ -131,9 +148,11 @@ class PlannerActor:
             self._fail(PlannerError("the planner actor was restarted after a crash; waiting for the worker "
                                     "group to restart from its newest checkpoint"))
 
-    def restart(self, session: str, start: Cursor, first_step: int, dp_size: int, spares: int = 0) -> None:
+    def restart(self, session: str, start: Cursor, first_step: int, dp_size: int, spares: int = 0,
+                calibration: dict[str, Any] | None = None) -> None:
         """Plan again from `start` for step `first_step` on, for `dp_size` DP ranks and `spares` spare ranks
-        (idempotent per session).
+        (idempotent per session); `calibration`: the checkpoint's fit, adopted unless this planner has
+        one of its own (a planner restarted by Ray, or a new `train` call, starts without).
 
         A (re)started worker group calls this with the cursor of the checkpoint it resumed from, so the
         stream continues exactly after the last sample that checkpoint consumed; payloads planned for the
@@ -143,6 +162,8 @@ class PlannerActor:
             if session == self._session:
                 return
             self._session = session
+            if calibration is not None and self._calibration.adopt(calibration):
+                self._cost = dataclasses.replace(self._cost, profile=self._calibration.profile)
             shape = (self._settings.dp_size, self._settings.spares)
             if (start, first_step, (dp_size, spares)) == (self._start, self._first_step, shape) \
                     and self._consumed == first_step - 1 and self._error is None:
@@ -163,16 +184,20 @@ class PlannerActor:
             self._consumed = first_step - 1  # highest step every rank has fetched
             self._planned = first_step - 1
             self._error: BaseException | None = None
+            self._calibration.begin(first_step, explore=settings.calibration and settings.policy == "skrull")
             self._cond.notify_all()
         generation = self._generation
         threading.Thread(target=self._run, args=(generation,), name="skrull-planner", daemon=True).start()
 
     # ---------------------------------------------------------------------------------------- workers
-    def payload(self, step: int, dp_rank: int, cp_rank: int) -> tuple[list[ray.ObjectRef], int]:
-        """Block until `step` is planned; return ([ref] of this rank's RankPayload, the planned step).
+    def payload(self, step: int, dp_rank: int,
+                cp_rank: int) -> tuple[list[ray.ObjectRef], int, dict[str, Any] | None]:
+        """Block until `step` is planned; return ([ref] of this rank's RankPayload, the planned step, the
+        newest online fit or None).
 
         A list keeps the payload a reference (the worker pulls it from the object store); the planned step
-        tells the worker how far ahead the planner is, without a second actor call. A spare rank asks with
+        tells the worker how far ahead the planner is, and the fit what profile the planner now plans with
+        (a checkpoint of this step keeps it), without a second actor call. A spare rank asks with
         dp_rank -1 and its index as cp_rank.
         """
         with self._cond:
@@ -187,7 +212,7 @@ class PlannerActor:
                 del self._ready[step], self._fetched[step]
                 self._consumed = max(self._consumed, step)
                 self._cond.notify_all()
-            return [ref], self._planned
+            return [ref], self._planned, self._calibration.record
 
     def eval_payloads(self, dp_size: int, spares: int, dp_rank: int, cp_rank: int) -> list[ray.ObjectRef]:
         """[ref] of this rank's eval payloads (a tuple of RankPayload over every eval batch).
@@ -196,6 +221,23 @@ class PlannerActor:
         until the shape changes, so a group plans its eval set once, not on every eval.
         """
         return [self._eval.refs(self._settings, self._cost, dp_size, spares)[dp_rank, cp_rank]]
+
+    def observe(self, session: str, timings: list[dict[str, Any]]) -> None:
+        """World rank 0's laps of a log window (PlannerClient.observe); refits the profile from them.
+
+        Laps of an older start of the worker group (a `restart` re-planned those steps) are ignored."""
+        with self._cond:
+            if session != self._session or not self._settings.calibration:
+                return
+            settings, cost = self._settings, self._cost
+        world = settings.dp_size * settings.cp_size + settings.spares
+        fitted = self._calibration.observe(timings, cost, world=world)
+        if fitted is not None:
+            self._cost = dataclasses.replace(cost, profile=fitted)
+
+    def calibration(self) -> dict[str, Any] | None:
+        """The newest fit (Refit.to_dict with its version), or None."""
+        return self._calibration.record
 
     def stats(self) -> dict[str, Any]:
         """Planning time, how far ahead the planner is, and the data rows seen by status."""
@@ -286,18 +328,24 @@ class PlannerActor:
     def _publish(self, generation: int, s: PlannerSettings, step: int, epoch: int, batch: list[Sample],
                  cursor: Cursor) -> None:
         started = time.perf_counter()
+        cost = self._cost  # one profile for the whole step (a fit may replace it meanwhile)
         lengths = [sample.num_tokens for sample in batch]
         labels = [sample.num_label_tokens for sample in batch]
         step_plan = plan_step(
             s.policy, lengths, dp_size=s.dp_size, cp_size=s.cp_size, bucket_size=s.bucket_size,
-            cost=self._cost, seed=s.seed + step, static_cp_micro_batch=s.static_cp_micro_batch, labels=labels,
-            cp_degrees=s.cp_degrees,
+            cost=cost, seed=s.seed + step, static_cp_micro_batch=s.static_cp_micro_batch, labels=labels,
+            cp_degrees=s.cp_degrees, baselines=s.calibration, explore=self._calibration.explore(step),
         )
         plan_ms = (time.perf_counter() - started) * 1e3
-        estimate = simulate(step_plan, lengths, self._cost, labels=labels)
+        estimate = simulate(step_plan, lengths, cost, labels=labels)
+        initial = simulate(step_plan, lengths, self._initial_cost, labels=labels) \
+            if cost is not self._initial_cost else estimate
+        self._calibration.remember(step, PlannedStep(plan=step_plan, lengths=tuple(lengths),
+                                                     labels=tuple(labels)))
         payloads = build_rank_payloads(step_plan, batch, step=step, epoch=epoch, cursor=cursor,
                                        plan_ms=plan_ms, estimate=estimate,
-                                       flops_at_peak_s=self._flops_at_peak_s(lengths, labels))
+                                       flops_at_peak_s=self._flops_at_peak_s(lengths, labels),
+                                       predicted_step_s_initial=initial.total_s)
         refs = {rank: ray.put(payload) for rank, payload in payloads.items()}
         if s.spares:
             spare = ray.put(spare_payload(payloads[0, 0], 0))
@@ -374,6 +422,8 @@ class Fetched:
     """Seconds the worker waited for the planner and the object store."""
     ahead_steps: int
     """Steps beyond this one the planner had already published (0: training waits on planning)."""
+    calibration: dict[str, Any] | None = None
+    """The planner's newest online fit when the step was fetched (scheduling/calibration.py `record`)."""
 
 
 class PlannerClient:
@@ -389,10 +439,18 @@ class PlannerClient:
         self._planner = planner
         self._timeout_s = timeout_s
 
+    def observe(self, session: str, metrics: list[dict[str, Any]], *, first_step: int) -> None:
+        """Send a log window's laps to the planner (fire and forget: nothing waits for the fit).
+        `first_step`: this start's first step, whose laps the fit leaves out."""
+        timings = [{"step": m["step"], "micro_batch_s": m["micro_batch_s"], "optimizer_s": m["optimizer_s"],
+                    "first_of_session": m["step"] == first_step} for m in metrics if "micro_batch_s" in m]
+        if timings:
+            self._planner.observe.remote(session, timings)
+
     def fetch(self, step: int, dp_rank: int, cp_rank: int) -> Fetched:
         started = time.perf_counter()
         try:
-            (ref,), planned = ray.get(self._planner.payload.remote(step, dp_rank, cp_rank),
+            (ref,), planned, calibration = ray.get(self._planner.payload.remote(step, dp_rank, cp_rank),
                                       timeout=self._timeout_s)
         except ray.exceptions.GetTimeoutError:
             state = self._planner_state()
@@ -402,7 +460,8 @@ class PlannerClient:
             raise PlannerError(f"the planner actor died before step {step} was handed out "
                                f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
         payload = ray.get(ref)
-        return Fetched(payload=payload, wait_s=time.perf_counter() - started, ahead_steps=planned - step)
+        return Fetched(payload=payload, wait_s=time.perf_counter() - started, ahead_steps=planned - step,
+                       calibration=calibration)
 
     def _planner_state(self) -> str:
         try:

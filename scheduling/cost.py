@@ -131,6 +131,10 @@ class HardwareProfile:
     optimizer_s_per_param: float = dataclasses.field(default=0.0, metadata=TIME)
     """Seconds of the optimizer step per parameter a rank updates (ZeRO-2: P / W each, plus the parameter
     all-gather); 0: not modeled. Charged once per step, outside the plan's micro-batches."""
+    ring_sequence_step_s: float = dataclasses.field(default=0.0, metadata=TIME)
+    """Seconds one sharded sequence costs each rank of its ring per ring step (d per layer over d ranks:
+    the block attention calls and log-sum-exp merges of its chunks, forward and backward), beyond its FLOPs
+    and bytes; 0: not modeled. Fitted from measured micro-batches (scheduling/refit.py)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -142,7 +146,7 @@ class HardwareProfile:
                 if not np.isfinite(value):
                     raise ValueError(f"hardware profile {self.name!r}: {f.name} must be finite: {value!r}")
             elif f.name in ("ring_overlap", "grad_reduce_bandwidth", "optimizer_s_per_param",
-                            "micro_batch_launch_s"):
+                            "micro_batch_launch_s", "ring_sequence_step_s"):
                 ok = 0.0 <= value <= 1.0 if f.name == "ring_overlap" else value >= 0
                 if not ok:
                     raise ValueError(f"hardware profile {self.name!r}: {f.name} out of range: {value!r}")
@@ -320,24 +324,34 @@ class CostModel:
         steps = self.num_layers * (cp_size - 1)
         return self.profile.comm_passes * steps * self.profile.ring_step_s(per_step, cp_size)
 
+    def sharded_sequence_s(self, degree: int) -> float:
+        """What one sequence sharded over `degree` ranks costs each of them beyond its FLOPs and bytes:
+        ring_sequence_step_s per ring step, `degree` steps per layer (0 for a local sequence)."""
+        if degree <= 1:
+            return 0.0
+        return self.profile.ring_sequence_step_s * self.num_layers * degree
+
     def clock(self, cp_size: int, world: int = 1) -> Clock:
         """t_comp / t_comm / overlapped / b for one CP size, with the constants hoisted (the planner's
         inner loops call them thousands of times per batch)."""
         return Clock(self, cp_size, world)
 
     def micro_batch_time(self, local_flops: Sequence[float], dist_flops: float, volume: float, *,
-                         world: int = 1) -> float:
+                         world: int = 1, num_distributed: int = 0) -> float:
         """DACP overlap formula: max_j [max(T_comm(V), T_comp(Local_j)) + T_comp(Dist)] + b(world)
-        (max: with ring_overlap = 1; `overlapped` in general).
+        (max: with ring_overlap = 1; `overlapped` in general), plus each distributed sequence's
+        sharded_sequence_s(N).
 
         `local_flops[j]` is rank j's local FLOPs, `dist_flops` the per-rank FLOPs of the distributed
         shards (equal on every rank), `volume` the distributed sequences' total K/V bytes, `world` the
-        DP x CP ranks the gradients are reduced over.
+        DP x CP ranks the gradients are reduced over, `num_distributed` how many sequences are sharded.
         """
-        comm = self.t_comm(volume, len(local_flops))
-        worst_local = max(local_flops) if len(local_flops) else 0.0
+        n = len(local_flops)
+        comm = self.t_comm(volume, n)
+        worst_local = max(local_flops) if n else 0.0
         overhead = self.micro_batch_overhead_s(world)
-        return self.overlapped(comm, self.t_comp(worst_local)) + self.t_comp(dist_flops) + overhead
+        return (self.overlapped(comm, self.t_comp(worst_local)) + self.t_comp(dist_flops) + overhead
+                + num_distributed * self.sharded_sequence_s(n))
 
 
 class Clock:
@@ -350,12 +364,15 @@ class Clock:
         comp(F)                = F * train_flops_factor / (peak_flops * mfu)            = t_comp(F)
         comm(V)                = comm_passes * L*(N-1) * max(latency, offset + V/(L*N)/B) = t_comm(V, N)
         overlapped(c, l)       = c + l - ring_overlap * min(c, l)
-        time(Lmax, D, V)       = overlapped(comm(V), comp(Lmax)) + comp(D)     (the DACP objective)
-        objective(c, Lmax, D)  = time() given c = comm(V)
+        time(Lmax, D, V, k)    = overlapped(comm(V), comp(Lmax)) + comp(D) + k * seq_s  (the DACP objective,
+                                 k distributed sequences)
+        objective(c, Lmax, D, k) = time() given c = comm(V)
         overhead               = micro_batch_overhead_s(W)                              (b)
+        seq_s                  = sharded_sequence_s(N)
     """
 
-    __slots__ = ("cp_size", "overhead", "_comm_scale", "_denom", "_factor", "_link", "_overlap", "_per_step")
+    __slots__ = ("cp_size", "overhead", "seq_s", "_comm_scale", "_denom", "_factor", "_link", "_overlap",
+                 "_per_step")
 
     def __init__(self, cost: CostModel, cp_size: int, world: int = 1) -> None:
         p = cost.profile
@@ -366,6 +383,7 @@ class Clock:
         self._per_step = cost.num_layers * cp_size
         self._comm_scale = p.comm_passes * (cost.num_layers * (cp_size - 1))
         self._link = p.ring_link(across_nodes=cp_size > p.gpus_per_node)
+        self.seq_s = cost.sharded_sequence_s(cp_size)
 
     @property
     def factor(self) -> float:
@@ -393,14 +411,16 @@ class Clock:
     def overlapped(self, comm_s: float, local_s: float) -> float:
         return comm_s + local_s - self._overlap * min(comm_s, local_s)
 
-    def time(self, max_local: float, dist: float, volume: float) -> float:
-        """max_j [overlapped(T_comm(V), T_comp(Local_j))] + T_comp(Dist), given max_j Local_j (without b)."""
-        return self.objective(self.comm(volume), max_local, dist)
+    def time(self, max_local: float, dist: float, volume: float, num_dist: int = 0) -> float:
+        """max_j [overlapped(T_comm(V), T_comp(Local_j))] + T_comp(Dist) + num_dist * seq_s, given
+        max_j Local_j (without b)."""
+        return self.objective(self.comm(volume), max_local, dist, num_dist)
 
-    def objective(self, comm_s: float, max_local: float, dist: float) -> float:
+    def objective(self, comm_s: float, max_local: float, dist: float, num_dist: int = 0) -> float:
         """time() with T_comm(V) already computed (the local search keeps it while V does not change)."""
         local = max_local * self._factor / self._denom
-        return comm_s + local - self._overlap * min(comm_s, local) + dist * self._factor / self._denom
+        return (comm_s + local - self._overlap * min(comm_s, local) + dist * self._factor / self._denom
+                + num_dist * self.seq_s)
 
 
 def subgroup_crosses_node(gpus_per_node: int, cp_size: int, degree: int, group: int, cp_group: int) -> bool:
@@ -428,12 +448,14 @@ class SubgroupClock:
     `base` also carries comp / overlapped / overhead for the micro-batch's world.
     """
 
-    __slots__ = ("base", "cp_size", "_kinds", "_rings")
+    __slots__ = ("base", "cp_size", "seq_s", "_kinds", "_rings")
 
     def __init__(self, cost: CostModel, cp_size: int, world: int = 1, cp_group: int = 0) -> None:
         p = cost.profile
         self.base = Clock(cost, cp_size, world)
         self.cp_size = cp_size
+        self.seq_s = {degree: cost.sharded_sequence_s(degree) for degree in range(1, cp_size + 1)}
+        """sharded_sequence_s(d) per degree d (0 at d = 1)."""
         self._rings: dict[tuple[int, int], tuple[float, float, RingLink]] = {}
         self._kinds: dict[int, tuple[int, ...]] = {}  # per degree: the first group of each link kind
         degree = 2

@@ -103,7 +103,8 @@ def micro_batch_floor(members: Sequence[int], table: SequenceTable, clock: Subgr
     flops, kv = table.flops, table.kv
     heaviest = min(members, key=table.weight_rank.__getitem__)
     f, v = flops[heaviest], kv[heaviest]
-    alone = min(base.comp(f) if d == 1 else clock.ring_floor(d, v) + base.comp(f / d) for d in degrees)
+    alone = min(base.comp(f) if d == 1 else clock.ring_floor(d, v) + base.comp(f / d) + clock.seq_s[d]
+                for d in degrees)
     return max(base.comp(sum(map(flops.__getitem__, members)) / n), alone) + base.overhead
 
 
@@ -116,6 +117,7 @@ class _State:
         self.remaining = [bucket_size] * n
         self.local_load = [0.0] * n
         self.shard_load = [0.0] * n
+        self.seq_load = [0.0] * n  # sharded_sequence_s of the sharded sequences on each rank
         self.comm = [0.0] * n
         self.times = [0.0] * n
         self.local: list[list[int]] = [[] for _ in range(n)]
@@ -130,7 +132,8 @@ class _State:
     def _retime(self, lo: int, hi: int) -> None:
         comp, overlapped = self._comp, self._overlapped
         for r in range(lo, hi):
-            self.times[r] = overlapped(self.comm[r], comp(self.local_load[r])) + comp(self.shard_load[r])
+            self.times[r] = (overlapped(self.comm[r], comp(self.local_load[r])) + comp(self.shard_load[r])
+                             + self.seq_load[r])
 
     def add(self, i: int, degree: int, group: int) -> None:
         """Put sequence i at `degree` on `group` (degree 1: group is the rank)."""
@@ -170,10 +173,12 @@ class _State:
         new = self.clock.ring(degree, group, volume)
         self.ring[key] = new
         shard, work = table.shards(degree)[i], table.flops[i] / degree
+        sequence_s = self.clock.seq_s[degree]
         lo, hi = group * degree, (group + 1) * degree
         for r in range(lo, hi):
             self.remaining[r] -= sign * shard
             self.shard_load[r] += sign * work
+            self.seq_load[r] += sign * sequence_s
             self.comm[r] += new - old
         self._retime(lo, hi)
 
@@ -187,7 +192,7 @@ class _State:
         table, n = self.table, self.n
         length, f, kv = table.lengths[i], table.flops[i], table.kv[i]
         remaining, times, comm = self.remaining, self.times, self.comm
-        local_load, shard_load = self.local_load, self.shard_load
+        local_load, shard_load, seq_load = self.local_load, self.shard_load, self.seq_load
         factor, denom, overlap = self._factor, self._denom, self._overlap
         top = max(times)
         top_rank = times.index(top)
@@ -200,7 +205,8 @@ class _State:
                     if remaining[j] < length:
                         continue
                     c, loc = comm[j], (local_load[j] + f) * factor / denom
-                    t = c + loc - overlap * (c if c < loc else loc) + shard_load[j] * factor / denom
+                    t = (c + loc - overlap * (c if c < loc else loc) + shard_load[j] * factor / denom
+                         + seq_load[j])
                     peak = max(t, second if j == top_rank else top, floor_s)
                     added = t - times[j]
                     if best is None or _before(peak, added, t, best_peak, best_added, best_own):
@@ -208,6 +214,7 @@ class _State:
                 continue
             shard = table.shards(degree)[i]
             work = f / degree
+            sequence_s = self.clock.seq_s[degree]
             ring = self.clock.ring
             for group in range(n // degree):
                 lo, hi = group * degree, (group + 1) * degree
@@ -218,7 +225,8 @@ class _State:
                 peak_in = added = 0.0
                 for r in range(lo, hi):
                     c, loc = comm[r] + delta, local_load[r] * factor / denom
-                    t = c + loc - overlap * (c if c < loc else loc) + (shard_load[r] + work) * factor / denom
+                    t = (c + loc - overlap * (c if c < loc else loc) + (shard_load[r] + work) * factor / denom
+                         + (seq_load[r] + sequence_s))
                     added += t - times[r]
                     if t > peak_in:
                         peak_in = t

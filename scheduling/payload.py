@@ -126,6 +126,8 @@ class RankPayload:
     flops_at_peak_s: float = math.nan
     """The global batch's model training FLOPs (the cost model's forward FLOPs x train_flops_factor) over the
     hardware profile's peak_flops: seconds one device at peak would take (the workers' mfu); NaN: unknown."""
+    predicted_step_s_initial: float = math.nan
+    """predicted_step_s under the run's starting profile (hardware.profile), for the same plan."""
 
 
 def _sequences_needed(plan: DacpPlan, cp_rank: int) -> tuple[int, ...]:
@@ -145,12 +147,14 @@ def build_rank_payloads(
     plan_ms: float,
     estimate: StepEstimate | None = None,
     flops_at_peak_s: float = math.nan,
+    predicted_step_s_initial: float = math.nan,
 ) -> dict[tuple[int, int], RankPayload]:
     """Split one planned global batch into per-(dp_rank, cp_rank) payloads.
 
     `estimate`: the cost model's times of the plan, carried so the workers can report predicted beside
     measured time.
-    `flops_at_peak_s`: RankPayload.flops_at_peak_s of the step (the workers' mfu).
+    `flops_at_peak_s`: RankPayload.flops_at_peak_s of the step (the workers' mfu); `predicted_step_s_initial`:
+    the starting profile's time of the same plan (RankPayload).
 
     ValueError if the global batch has no label token: every rank would divide a zero loss sum by
     max(0, 1) and the run would report loss 0.0 while training on nothing. Usable rows always carry a label
@@ -188,6 +192,7 @@ def build_rank_payloads(
                 predicted_step_s=estimate.total_s if estimate else math.nan,
                 predicted_busy_s=estimate.rank_busy_s[dp_rank][cp_rank] if estimate else math.nan,
                 flops_at_peak_s=flops_at_peak_s, subgroup_token_fraction=subgroup_tokens / max(tokens, 1),
+                predicted_step_s_initial=predicted_step_s_initial,
             )
     return payloads
 

@@ -4,7 +4,8 @@
 |------------------|-----------------------|--------------------------------------|-----------------------|
 | skrull           | GDS (LPT by FLOPs)    | GDS strided, roll-back, count tried  | DACP + refinement     |
 |                  |                       | by modeled time; whole-plan fallback | (or all sharded when  |
-|                  |                       | to gds_only when that models faster  | modeled faster)       |
+|                  |                       | to gds_only, balanced_packed or      | modeled faster)       |
+|                  |                       | dynamic_cp when one models faster    |                       |
 | static_cp        | data order, rank r::D | k consecutive sequences (k=1)        | all sharded           |
 | static_cp_packed | data order, rank r::D | consecutive, packed to C per rank    | all sharded           |
 | sorted           | LongAlign: sort, pack consecutive to C per rank, shuffle | all sharded           |
@@ -58,6 +59,10 @@ class PlanRequest:
     """Label tokens per sequence (the model cost formula's LM head; None: every token)."""
     cp_degrees: str | Sequence[int] | None = None
     """scheduling.cp_degrees: skrull's DACP degrees and dynamic_cp's degree set."""
+    baselines: bool = False
+    """skrull only: balanced_packed and dynamic_cp are candidates too (online calibration)."""
+    explore: int | None = None
+    """skrull only: return its candidate plan explore mod 4 (online calibration's first steps)."""
 
     @property
     def shape(self) -> dict[str, int]:
@@ -72,7 +77,8 @@ class Policy(Protocol):
 
 
 def _skrull(r: PlanRequest) -> StepPlan:
-    return skrull(r.lengths, **r.shape, cost=r.cost, labels=r.labels, cp_degrees=r.cp_degrees)
+    return skrull(r.lengths, **r.shape, cost=r.cost, labels=r.labels, cp_degrees=r.cp_degrees,
+                  baselines=r.baselines, explore=r.explore)
 
 
 def _static_cp(r: PlanRequest) -> StepPlan:
@@ -134,13 +140,16 @@ def check_policy(name: str) -> str:
 def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
               cost: CostModel, seed: int = 0, static_cp_micro_batch: int = 1,
               labels: Sequence[int] | None = None,
-              cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
+              cp_degrees: str | Sequence[int] | None = None, baselines: bool = False,
+              explore: int | None = None) -> StepPlan:
     """Plan one global batch with `policy` (one of POLICIES); indices in the plan refer to `lengths`.
 
     `labels`: label tokens per sequence, for the model cost formula's LM head (None: every token).
     `cp_degrees`: scheduling.cp_degrees, the CP degrees skrull's DACP may give a sequence (None: [1, N],
     the paper's two-level DACP; "auto": every power of two; docs/design.md §13) and dynamic_cp's degree set
     (None: every power of two); the other policies shard over the whole CP group.
+    `baselines`: skrull also weighs balanced_packed and dynamic_cp; `explore`: skrull's candidate explore
+    mod 4 instead of its fastest (scheduling/skrull.py).
     """
     planner = REGISTRY[check_policy(policy)]
     if dp_size < 1:
@@ -148,4 +157,5 @@ def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int
     check_fits(lengths, cp_size, bucket_size)
     return planner(PlanRequest(lengths=lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
                                cost=cost, seed=seed, static_cp_micro_batch=static_cp_micro_batch,
-                               labels=labels, cp_degrees=cp_degrees))
+                               labels=labels, cp_degrees=cp_degrees, baselines=baselines,
+                               explore=explore))

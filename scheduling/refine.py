@@ -65,11 +65,12 @@ class _Refiner:
         self.local_load = [sum(map(flops.__getitem__, rank)) for rank in state.local]
         self.dist = sum(map(flops.__getitem__, state.distributed)) / n
         self.volume = sum(map(kv.__getitem__, state.distributed))
+        self.num_dist = len(state.distributed)
         self.comm = clock.comm(self.volume)  # T_comm(volume), recomputed when the volume changes
 
     @property
     def current(self) -> float:
-        return self.clock.objective(self.comm, max(self.local_load), self.dist)
+        return self.clock.objective(self.comm, max(self.local_load), self.dist, self.num_dist)
 
     def _best_exchange(self, r: int, low: int) -> tuple[float, int, int] | None:
         """Lowest max(L_r', L_low', 0) reachable by one move (t=-1) or swap (s <-> t) from r to low;
@@ -120,7 +121,8 @@ class _Refiner:
         r = loads.index(top)
         low = loads.index(ordered[0])
         dist = self.dist
-        threshold = clock.objective(self.comm, top, dist) * _SLACK
+        num_dist = self.num_dist
+        threshold = clock.objective(self.comm, top, dist, num_dist) * _SLACK
         best: Step | None = None
         gap = top - rest_r  # sharding s saves at most `gap` of local work and costs f/n on every rank
         room_r = None
@@ -133,7 +135,7 @@ class _Refiner:
                     room_r = min(remaining[:r] + remaining[r + 1:])
                 if room_r >= self.shards[s]:
                     t = clock.time(max(top - self.table.flops[s], rest_r), dist + f_n,
-                                   self.volume + self.table.kv[s])
+                                   self.volume + self.table.kv[s], num_dist + 1)
                     if t < threshold and (best is None or t < best[0]):
                         best = (t, "distribute", s, r, r, -1)
         if low != r:
@@ -141,7 +143,7 @@ class _Refiner:
             exchange = self._best_exchange(r, low)
             if exchange is not None and exchange[0] < top * _SLACK:
                 peak, s, partner = exchange
-                t_new = clock.objective(self.comm, max(peak, rest_r if n > 2 else 0.0), dist)
+                t_new = clock.objective(self.comm, max(peak, rest_r if n > 2 else 0.0), dist, num_dist)
                 if best is None or t_new <= best[0]:
                     best = (t_new, "move" if partner < 0 else "swap", s, r, low, partner)
         return best
@@ -165,6 +167,7 @@ class _Refiner:
         self.local_load[r] -= f
         self.dist += f / self.n
         self.volume += self.table.kv[s]
+        self.num_dist += 1
         self.comm = self.clock.comm(self.volume)
 
     def run(self) -> float:
@@ -227,7 +230,8 @@ def _heaviest_local(state: DacpState, table: SequenceTable) -> int | None:
 
 def _chain_bound(state: DacpState, shard: int, table: SequenceTable, clock: Clock) -> float:
     """A lower bound of the modeled Time of every state the sharding chain reaches from `state` by
-    sharding `shard` next: T_comm(V) + T_comp(Dist) of its distributed set.
+    sharding `shard` next: T_comm(V) + T_comp(Dist) (+ each sequence's sharded_sequence_s) of its
+    distributed set.
 
     Along the chain the distributed set only grows (relocal_lpt adds a sequence, the local search only
     ever distributes more), T_comm and T_comp do not decrease with it, and Time >= T_comm(V) +
@@ -237,7 +241,8 @@ def _chain_bound(state: DacpState, shard: int, table: SequenceTable, clock: Cloc
     """
     distributed = [*state.distributed, shard]
     volume = sum(map(table.kv.__getitem__, distributed))
-    return clock.comm(volume) + clock.comp(sum(map(table.flops.__getitem__, distributed)) / clock.cp_size)
+    return (clock.comm(volume) + clock.comp(sum(map(table.flops.__getitem__, distributed)) / clock.cp_size)
+            + len(distributed) * clock.seq_s)
 
 
 def refine(state: DacpState, lengths: Sequence[int], flops: Sequence[float], cost: CostModel, *,

@@ -7,6 +7,11 @@ For CP rank j of one micro-batch (the DACP overlap formula, docs/design.md §3):
               T_comm + T_comp(Local_j) - o * min(T_comm, T_comp(Local_j)), which is >= the max, so the
               lower bounds below stay lower bounds)
 
+    (+ k * sharded_sequence_s(N) for k distributed sequences: what each sharded sequence costs every
+     rank beyond its FLOPs and bytes, the profile's ring_sequence_step_s, 0 unless fitted; a degree-d
+     sequence costs the d ranks of its subgroup sharded_sequence_s(d). It only adds to sharded plans, so
+     the bounds below stay lower bounds, and their sharded options include it.)
+
     micro-batch time = max_j Time_j            (CP ranks synchronize in the ring / the backward)
     DP rank time     = sum over its micro-batches
     step time        = max over DP ranks       (gradient reduction waits for the slowest)
@@ -123,7 +128,7 @@ def placement_times(local: Sequence[Sequence[int]], distributed: Sequence[int], 
     comp, overlapped = clock.comp, clock.overlapped
     dist_flops = sum(map(flops.__getitem__, distributed)) / clock.cp_size
     comm = clock.comm(sum(map(kv.__getitem__, distributed)))
-    tail = comp(dist_flops) + clock.overhead
+    tail = comp(dist_flops) + clock.overhead + len(distributed) * clock.seq_s
     if not any(local):  # all sharded (or empty): every rank the same, sum(()) = 0 local FLOPs
         return [overlapped(comm, comp(0)) + tail] * len(local)
     flops_of = flops.__getitem__
@@ -148,15 +153,17 @@ def mixed_placement_times(local: Sequence[Sequence[int]], distributed: Sequence[
     n = clock.cp_size
     comm = [base.comm(sum(map(kv.__getitem__, distributed)))] * n
     shard = [sum(map(flops.__getitem__, distributed)) / n] * n
+    extra = [len(distributed) * base.seq_s] * n  # per sharded sequence (sharded_sequence_s)
     for degree, group, indices in partial:
         ring = clock.ring(degree, group, sum(map(kv.__getitem__, indices)))
         work = sum(map(flops.__getitem__, indices)) / degree
         for r in range(group * degree, (group + 1) * degree):
             comm[r] += ring
             shard[r] += work
+            extra[r] += len(indices) * clock.seq_s[degree]
     comp, overlapped, overhead = base.comp, base.overlapped, base.overhead
     flops_of = flops.__getitem__
-    return [overlapped(comm[j], comp(sum(map(flops_of, local[j])))) + (comp(shard[j]) + overhead)
+    return [overlapped(comm[j], comp(sum(map(flops_of, local[j])))) + (comp(shard[j]) + overhead + extra[j])
             for j in range(n)]
 
 
@@ -193,10 +200,12 @@ def alone_floor(cost: CostModel, flops: float, volume: float, cp_size: int,
     """The fastest one sequence (F FLOPs, V K/V bytes) can run in any micro-batch, without b:
     min over its possible degrees d of T_comp(F) (d = 1) or ring_floor(V, d) + T_comp(F/d) (module
     docstring). `cp_degrees` None is (1, N): exactly the two-level bound."""
-    alone = min(cost.t_comp(flops), cost.t_comm(volume, cp_size) + cost.t_comp(flops / cp_size))
+    alone = min(cost.t_comp(flops), cost.t_comm(volume, cp_size) + cost.t_comp(flops / cp_size)
+                + cost.sharded_sequence_s(cp_size))
     for degree in cp_degrees or ():
         if 1 < degree < cp_size:
-            alone = min(alone, ring_lower_bound(cost, volume, degree, cp_size) + cost.t_comp(flops / degree))
+            alone = min(alone, ring_lower_bound(cost, volume, degree, cp_size) + cost.t_comp(flops / degree)
+                        + cost.sharded_sequence_s(degree))
     return alone
 
 

@@ -1,44 +1,90 @@
-"""The `skrull` policy: GDS + DACP (+ refinement), with a whole-plan fallback to the GDS-only ablation.
+"""The `skrull` policy: GDS + DACP (+ refinement), and never a plan the cost model says a baseline beats.
 
-    plan     = plan_gds(DACP per micro-batch)
-    if step(plan) <= floor of any all-sharded plan:  return plan        (no GDS-only plan can be faster)
-    fallback = plan_gds(execution=static)                              (GDS-only: every sequence sharded)
-    return the faster of the two (ties keep the DACP plan)
+    plan = plan_gds(DACP per micro-batch)
+    if step(plan) <= the feasible lower bound of any plan:  return plan     (nothing can be faster)
+    candidates = GDS-only (every sequence sharded, the GDS split), and with `baselines` (online
+                 calibration, scheduling.calibration) balanced_packed and dynamic_cp too
+    return the fastest under the cost model (ties keep the earlier: the DACP plan first)
 
-Every GDS-only micro-batch is also a valid DACP output (all sharded), so Skrull may always fall back to
-it; with that fallback Skrull's modeled step is never above GDS-only's. Planning it costs a fraction of
-the DACP plan (no placement search), and the floor test skips it when it cannot win. The other ablations
-are not planned here: DACP-only and round-robin use the same DACP machinery on worse DP splits /
-placements and cost a full plan.
+Every candidate is a valid DACP output: an all-sharded micro-batch is one (GDS-only, balanced_packed), and
+dynamic_cp's per-sequence degrees are local, whole-group or aligned-subgroup shards of the same cp_degrees
+(with two-level cp_degrees it keeps each sequence local or shards it over the whole group). So Skrull may
+always return any of them, and its modeled step is never above theirs: the guarantee holds exactly as far
+as the cost model is right, which is why the planner refits it from the run's own steps (scheduling/
+refit.py). The two all-sharded candidates are skipped when the DACP plan is at or below every all-sharded
+plan's floor (`all_sharded_floor`); the other ablations (DACP-only, round-robin) are not candidates: they
+run the same DACP machinery on worse DP splits or placements and cost a full plan.
+
+`explore=k` (online calibration's first steps, scheduling/actor.py) returns candidate k mod 4 of
+(DACP plan, GDS-only, balanced_packed, dynamic_cp) instead of the fastest, so the measured steps cover
+the plans Skrull chooses between. Without `baselines` and `explore` the plans are the paper's GDS + DACP
+with only the GDS-only fallback (scheduling.calibration=off: fixed profile, the same plans every run).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from scheduling.balanced_packed import balanced_packed
 from scheduling.cost import CostModel
+from scheduling.dynamic_cp import dynamic_cp
 from scheduling.gds import Execution, plan_gds_timed
 from scheduling.plans import StepPlan
-from scheduling.simulate import heaviest_sequence, perfect_balance_bound
+from scheduling.simulate import heaviest_sequence, lower_bounds, perfect_balance_bound, simulate
+
+CANDIDATES = ("dacp", "gds_only", "balanced_packed", "dynamic_cp")
+"""The plans skrull chooses between, in the order ties and exploration take them."""
 
 
 def skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
            cost: CostModel, labels: Sequence[int] | None = None,
-           cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    """GDS + DACP (+ refinement), or the GDS-only plan when the cost model says that one is faster.
+           cp_degrees: str | Sequence[int] | None = None, baselines: bool = False,
+           explore: int | None = None) -> StepPlan:
+    """The fastest candidate plan under `cost` (module docstring); `explore`: candidate explore mod 4.
 
-    `cp_degrees` (scheduling.cp_degrees; None: [1, N]) reaches DACP only: the GDS-only fallback shards
-    every sequence over the whole CP group, as the GDS-only ablation does."""
-    shape = {"dp_size": dp_size, "cp_size": cp_size, "bucket_size": bucket_size, "cost": cost,
-             "labels": labels}
+    `cp_degrees` (scheduling.cp_degrees; None: [1, N]) reaches DACP and dynamic_cp; the all-sharded
+    candidates shard every sequence over the whole CP group."""
+    shape = {"dp_size": dp_size, "cp_size": cp_size, "bucket_size": bucket_size}
     # plan_gds_timed's step time is simulate(plan).step_s, from the micro-batch times GDS compared
-    plan, step_s = plan_gds_timed(lengths, cp_degrees=cp_degrees, **shape)
+    plan, step_s = plan_gds_timed(lengths, cp_degrees=cp_degrees, cost=cost, labels=labels, **shape)
     assert step_s is not None  # refine=True: GDS modeled every micro-batch
-    if step_s <= all_sharded_floor(lengths, cost, dp_size=dp_size, cp_size=cp_size, labels=labels):
-        return plan  # no all-sharded plan can be faster: skip planning one
-    fallback, fallback_s = plan_gds_timed(lengths, execution=Execution.STATIC, **shape)
-    assert fallback_s is not None
-    return fallback if fallback_s < step_s else plan
+    degrees = [1, cp_size] if cp_degrees is None else cp_degrees
+    timed: dict[str, Callable[[], tuple[StepPlan, float]]] = {
+        "gds_only": lambda: _timed(plan_gds_timed(lengths, execution=Execution.STATIC, cost=cost,
+                                                  labels=labels, **shape)),
+        "balanced_packed": lambda: _simulated(balanced_packed(lengths, cost=cost, labels=labels, **shape),
+                                              lengths, cost, labels),
+        "dynamic_cp": lambda: _simulated(dynamic_cp(lengths, cp_degrees=degrees, **shape), lengths, cost,
+                                         labels),
+    }
+    if explore is not None:
+        name = CANDIDATES[explore % len(CANDIDATES)]
+        return plan if name == "dacp" else timed[name]()[0]
+    if baselines and step_s <= lower_bounds(lengths, cost, dp_size=dp_size, cp_size=cp_size,
+                                            labels=labels)[1]:
+        return plan  # at the lower bound of every plan: no candidate can be faster
+    sharded_floor = all_sharded_floor(lengths, cost, dp_size=dp_size, cp_size=cp_size, labels=labels)
+    best, best_s = plan, step_s
+    for name, make in timed.items():
+        if name != "gds_only" and not baselines:
+            continue
+        if name != "dynamic_cp" and best_s <= sharded_floor:
+            continue  # no all-sharded plan can beat the best so far: skip planning one
+        candidate, candidate_s = make()
+        if candidate_s < best_s:
+            best, best_s = candidate, candidate_s
+    return best
+
+
+def _timed(planned: tuple[StepPlan, float | None]) -> tuple[StepPlan, float]:
+    plan, step_s = planned
+    assert step_s is not None  # refine=True
+    return plan, step_s
+
+
+def _simulated(plan: StepPlan, lengths: Sequence[int], cost: CostModel,
+               labels: Sequence[int] | None) -> tuple[StepPlan, float]:
+    return plan, simulate(plan, lengths, cost, labels=labels).step_s
 
 
 def all_sharded_floor(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_size: int,
@@ -46,15 +92,18 @@ def all_sharded_floor(lengths: Sequence[int], cost: CostModel, *, dp_size: int, 
     """A lower bound of any all-sharded plan's step (same proof as scheduling.simulate's bounds).
 
     Every micro-batch of such a plan pays T_comm(V) >= the ring's latency floor T_comm(0+) in full (no
-    local work to hide it under), so step >= perfect-balance bound + that floor; and the longest
-    sequence's micro-batch >= T_comm(V*) + T_comp(F*/N) + b.
+    local work to hide it under) and at least one sharded sequence's sharded_sequence_s(N), so step >=
+    perfect-balance bound + those; and the longest sequence's micro-batch >= T_comm(V*) + T_comp(F*/N) +
+    b + sharded_sequence_s(N).
     """
     flops = cost.sequence_flops(lengths, labels)
     bound = perfect_balance_bound(flops, cost, dp_size * cp_size)  # lower_bounds' first
     if cp_size <= 1 or not len(lengths):
         return bound
     heaviest = heaviest_sequence(flops, lengths)
-    latency_floor = cost.t_comm(1.0, cp_size)
+    sequence_s = cost.sharded_sequence_s(cp_size)  # every micro-batch shards at least one sequence
+    latency_floor = cost.t_comm(1.0, cp_size) + sequence_s
     alone = (cost.t_comm(cost.kv_bytes(float(lengths[heaviest])), cp_size)
-             + cost.t_comp(flops[heaviest] / cp_size) + cost.micro_batch_overhead_s(dp_size * cp_size))
+             + cost.t_comp(flops[heaviest] / cp_size) + cost.micro_batch_overhead_s(dp_size * cp_size)
+             + sequence_s)
     return max(bound + latency_floor, alone)

@@ -190,7 +190,7 @@ import torch
 
 from app.config import load_config
 from app.profiling.hardware import cost_model
-from app.train.preflight import CONFIG_SNAPSHOT
+from app.rundir.files import CONFIG_SNAPSHOT
 from app.train.report import run_report
 
 run_dir = json.loads(Path(sys.argv[1]).read_text())["run_dir"]

@@ -134,7 +134,8 @@ def test_summary_medians_ratios_and_missing_baselines(tmp_path: Path) -> None:
 
 def _run(records: list[dict], policies: tuple[str, ...]) -> SimpleNamespace:
     config = SimpleNamespace(parallel=SimpleNamespace(dp_size=1, cp_size=2),
-                             scheduling=SimpleNamespace(bucket_size=64, global_batch_size=4),
+                             scheduling=SimpleNamespace(bucket_size=64, global_batch_size=4,
+                                                        calibration="off"),
                              hardware=SimpleNamespace(profile="cpu"))
     machine = {"cpus": 2, "load_avg_1_5_15_min": [1.0, 0.5, 0.2]}
     return SimpleNamespace(policies=policies, records=records, steps=len(records), warmup_steps=0, wall_s=1.0,

@@ -12,6 +12,7 @@ from data_rows import example_rows, expected_statuses, write_all_formats
 from app.config import load_config
 from app.data import DataError
 from app.data.pipeline import scan_dataset, tokenized_dataset
+from app.data.resolved import resolve_data
 from app.data.synth import ConversationSynth, synth_conversations, target_lengths
 from app.data.template import TemplateSettings, tokenize_rows
 from app.data.tokenizer import load_tokenizer
@@ -33,7 +34,8 @@ def config(*overrides: str):
 
 
 def tokenized(cfg):
-    return tokenized_dataset(cfg.data, max_length=cfg.max_sequence_length, num_cpus=cfg.resources.data_cpus)
+    data = resolve_data(cfg.data, max_length=cfg.max_sequence_length)
+    return tokenized_dataset(data, num_cpus=cfg.resources.data_cpus)
 
 
 def scan(cfg):

@@ -136,7 +136,8 @@ def _eval_rows(config) -> list[tuple[int, np.ndarray, np.ndarray]]:
     from app.data.pipeline import tokenized_dataset
     from scheduling.payload import USABLE_STATUSES
 
-    rows = tokenized_dataset(config.data, max_length=config.max_sequence_length, num_cpus=0.5).iter_rows()
+    data = resolve_data(config.data, max_length=config.max_sequence_length)
+    rows = tokenized_dataset(data, num_cpus=0.5).iter_rows()
     usable = [(i, row) for i, row in enumerate(rows) if row["status"] in USABLE_STATUSES]
     mask = held_out([i for i, _ in usable], seed=config.data.seed, fraction=FRACTION)
     return [(i, np.asarray(row["input_ids"]), np.asarray(row["labels"]))

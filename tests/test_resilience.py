@@ -1,7 +1,7 @@
 """Survive the cluster, on an embedded Ray (CPU, gloo): resume on another worker count, a killed worker, a
 killed planner, Ctrl-C on the driver.
 
-Every run trains the same 10 global batches (8 short chats from a file of 40, visited in a new
+Every run trains the same 12 global batches (8 short chats from a file of 40, visited in a new
 seeded order each epoch: data.shuffle; DP=2 x CP=1, random-init tiny Qwen2, fp32) as one uninterrupted
 reference run, so each interrupted run must reproduce the reference's batches and losses: fp32 summation
 order differs between DP sizes and restarts (~1e-7 relative per step), which Adam's normalized updates keep
@@ -11,6 +11,7 @@ samples.jsonl (world rank 0 appends each step's line as soon as the step is trai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -29,17 +30,19 @@ psutil = pytest.importorskip("psutil")
 
 from app.__main__ import main  # noqa: E402
 from app.config import ConfigError, load_config  # noqa: E402
+from app.profiling.calibration_log import FITTED_PROFILE  # noqa: E402
+from app.profiling.hardware import load_hardware_profile  # noqa: E402
 from app.rundir.snapshot import recorded_step  # noqa: E402
 from app.train.driver import TrainSummary, train  # noqa: E402
 from app.train.report import run_report  # noqa: E402
 from tests.driver_process import SignaledDriver, Stopped  # noqa: E402
 from tests.run_configs import SMALL_VOCAB, scheduled_lrs, shuffled_chats, shuffled_step_ids  # noqa: E402
 
-NUM_SAMPLES, BATCH, STEPS = 40, 8, 10
+NUM_SAMPLES, BATCH, STEPS = 40, 8, 12
 WARMUP, LR = 3, 0.003  # LR: configs/tiny-cpu.yaml's
 """Every run here warms its learning rate up over 3 steps, so a start after step 1 or 2 (a resume on
 another worker count, a restart) that put the schedule anywhere but at its step shows in the next `lr`
-(the shrunk run resumes at step 3, the grown one at 4). Only warmup: these runs change train.steps between
+(the shrunk run resumes at step 7, the grown one at 8). Only warmup: these runs change train.steps between
 calls, which moves a decay's end (the Ctrl-C run, which does not, decays)."""
 WARMUP_LRS = scheduled_lrs(LR, WARMUP, STEPS, kind="constant")
 # Long enough for every legitimate wait in a collective of these runs (steps and checkpoints of
@@ -74,7 +77,7 @@ def _assert_samples_exact(run_dir: str | Path, steps: int) -> None:
     for line in lines:
         by_epoch.setdefault(line["epoch"], []).extend(line["sample_ids"])
     assert sum(len(ids) for ids in by_epoch.values()) == steps * BATCH
-    assert sorted(by_epoch[0]) == list(range(NUM_SAMPLES))  # 10 x 8 = 80: all of epochs 0 and 1
+    assert sorted(by_epoch[0]) == list(range(NUM_SAMPLES))  # 12 x 8 = 96: epochs 0 and 1, 16 rows of 2
     for ids in by_epoch.values():
         assert len(ids) == len(set(ids))
 
@@ -203,7 +206,7 @@ def chats(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference_run(local_ray, tmp_path_factory: pytest.TempPathFactory, chats: list[str]) -> TrainSummary:
-    """The same 10 steps trained without interruption (metrics reduced every 4 steps, checkpoints every 2)."""
+    """The same 12 steps trained without interruption (metrics reduced every 4 steps, checkpoints every 2)."""
     config = _config(tmp_path_factory.mktemp("reference"), "reference", *chats, "train.log_every=4",
                      "train.checkpoint_every=2")
     return train(config, progress=False)
@@ -217,8 +220,8 @@ def reference(reference_run: TrainSummary) -> list[float]:
 def test_an_uninterrupted_run_reports_every_step_and_keeps_two_checkpoints(reference_run) -> None:
     summary = reference_run
     assert summary.resumed_from_step is None and summary.restarts == 0
-    # Metrics reduced on steps 2, 4, 6, 8 and 10 (checkpoint steps) and 4 and 8 (log_every): every step
-    # reported once.
+    # Metrics reduced on every second step (checkpoints) and every fourth (log_every): every step reported
+    # once.
     assert [h["step"] for h in summary.history] == list(range(1, STEPS + 1))
     assert summary.loss_last < summary.loss_first - 0.5, summary.losses
     assert [h["lr"] for h in summary.history] == pytest.approx(WARMUP_LRS, rel=1e-6)
@@ -226,40 +229,56 @@ def test_an_uninterrupted_run_reports_every_step_and_keeps_two_checkpoints(refer
     lines = Path(summary.run_dir, "samples.jsonl").read_text().splitlines()
     assert {json.loads(line)["dp_rank"] for line in lines} == {0, 1}
     _assert_samples_exact(summary.run_dir, STEPS)
-    # train.keep_checkpoints defaults to 2: of the five saved, the newest two remain.
+    # train.keep_checkpoints defaults to 2: of the six saved, the newest two remain.
     assert len([p for p in Path(summary.run_dir).glob("checkpoint_*") if p.is_dir()]) == 2
 
 
 @pytest.fixture(scope="module")
 def shrunk(local_ray, tmp_path_factory: pytest.TempPathFactory,
            chats: list[str]) -> tuple[Path, TrainSummary, TrainSummary]:
-    """Run "dp": 2 workers to step 2, then 1 worker to step 3 (ZeRO-2 state through a universal checkpoint).
+    """Run "dp": 2 workers to step 6, then 1 worker to step 7 (ZeRO-2 state through a universal checkpoint).
 
     Shared by the two resume tests below: the second grows the same run back to 2 workers (one run of
-    three calls, as before, split so that neither test holds all three).
+    three calls split so that neither test holds all three). Six steps: enough for the planner's online
+    calibration to fit the profile (scheduling.calibration=online) before the run is resized.
     """
     tmp_path = tmp_path_factory.mktemp("resume")
-    first = train(_config(tmp_path, "dp", *chats, "train.steps=2"), progress=False)
-    shrunk = train(_config(tmp_path, "dp", *chats, "train.steps=3", "parallel.num_workers=1"), progress=False)
+    first = train(_config(tmp_path, "dp", *chats, "train.steps=6"), progress=False)
+    shrunk = train(_config(tmp_path, "dp", *chats, "train.steps=7", "parallel.num_workers=1"), progress=False)
     return tmp_path, first, shrunk
 
 
+def _checkpointed_fit(run_dir: Path) -> dict:
+    """The online fit the run's newest checkpoint holds (workers/checkpoints.py skrull_state.json)."""
+    states = [json.loads(p.read_text()) for p in run_dir.glob("checkpoint_*/skrull_state.json")]
+    newest = max(states, key=lambda state: state["step"])
+    assert newest["calibration"] is not None, newest
+    return newest["calibration"]
+
+
 def test_resume_on_fewer_workers(shrunk, reference) -> None:
-    _, first, shrunk = shrunk
-    assert [h["world_size"] for h in first.history] == [2, 2]
-    assert shrunk.resumed_from_step == 2 and [h["world_size"] for h in shrunk.history] == [1]
-    assert first.losses + shrunk.losses == pytest.approx(reference[:3], rel=1e-4)
-    assert _lrs(first) + _lrs(shrunk) == pytest.approx(WARMUP_LRS[:3], rel=1e-6)
+    """The resized run plans with the profile the run fitted before (its checkpoint's) from its first
+    step."""
+    tmp_path, first, shrunk = shrunk
+    assert [h["world_size"] for h in first.history] == [2] * 6
+    assert shrunk.resumed_from_step == 6 and [h["world_size"] for h in shrunk.history] == [1]
+    assert first.losses + shrunk.losses == pytest.approx(reference[:7], rel=1e-4)
+    assert _lrs(first) + _lrs(shrunk) == pytest.approx(WARMUP_LRS[:7], rel=1e-6)
+    fitted = [h["calibration"] for h in first.history if "calibration" in h]
+    assert fitted and fitted[-1]["version"] >= 1
+    assert shrunk.history[0]["calibration"] == fitted[-1]  # adopted from the checkpoint of step 6
+    profile = load_hardware_profile(str(tmp_path / "dp" / FITTED_PROFILE))  # the run directory's copy
+    assert dataclasses.asdict(profile) == fitted[-1]["profile"]
 
 
 def test_resume_on_more_workers_through_a_killed_planner_and_a_killed_worker(shrunk, reference,
                                                                             chats) -> None:
-    """The shrunk run grown to 2 workers again to step 10, through two faults, then what a rerun refuses.
+    """The shrunk run grown to 2 workers again to step 12, through two faults, then what a rerun refuses.
 
-    - Its planner is killed after step 4: Ray restarts it from the driver's arguments, at this run's
-      starting cursor of step 3; the restarted worker group must move it to step 4's.
-    - A worker of the restarted group is SIGKILLed (by pid) after step 6: Ray Train restarts the group
-      from the newest checkpoint (step 6's).
+    - Its planner is killed after step 8: Ray restarts it from the driver's arguments, at this run's
+      starting cursor of step 7; the restarted worker group must move it to step 8's.
+    - A worker of the restarted group is SIGKILLed (by pid) after step 10: Ray Train restarts the group
+      from the newest checkpoint (step 10's).
     - Each fault leaves steps to train: a worker fetches the plan of its next step ahead, so a planner
       kill before the last step alone goes unnoticed, and a worker killed after the last step kills
       nothing (the workers are frozen while a fault is injected, the fault seen within ~0.1 s).
@@ -268,10 +287,14 @@ def test_resume_on_more_workers_through_a_killed_planner_and_a_killed_worker(shr
     """
     tmp_path, first, shrunk = shrunk
     signaled: set[int] = set()
-    faults = [(4, _kill_the_planner("dp", signaled)), (6, _signal_a_worker(signal.SIGKILL, signaled))]
+    resumed_fit = _checkpointed_fit(tmp_path / "dp")
+    faults = [(8, _kill_the_planner("dp", signaled)), (10, _signal_a_worker(signal.SIGKILL, signaled))]
     grown, _ = _train_with_faults(tmp_path, "dp", faults, *chats, "train.max_failures=2")
-    assert grown.resumed_from_step == 3 and grown.restarts == 2 and grown.steps == STEPS - 3
-    assert [h["world_size"] for h in grown.history] == [2] * (STEPS - 3)
+    assert grown.resumed_from_step == 7 and grown.restarts == 2 and grown.steps == STEPS - 7
+    assert [h["world_size"] for h in grown.history] == [2] * (STEPS - 7)
+    # Every start plans with the run's newest fit: the resumed one from the checkpoint, the restarted
+    # planner (Ray starts it without one) from the checkpoint its worker group restarts from.
+    assert min(h["calibration_version"] for h in grown.history) >= resumed_fit["version"] >= 1
     assert first.losses + shrunk.losses + grown.losses == pytest.approx(reference, rel=1e-4)
     assert _lrs(first) + _lrs(shrunk) + _lrs(grown) == pytest.approx(WARMUP_LRS, rel=1e-6)
     _assert_samples_exact(grown.run_dir, STEPS)

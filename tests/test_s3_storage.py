@@ -216,7 +216,7 @@ def test_a_config_error_of_a_new_s3_run_leaves_nothing_behind(s3: S3Server) -> N
     config = load_config("configs/tiny-cpu.yaml")
     for existed in (False, True):
         run = Location.of(s3.uri(f"cfg-error-{existed}"))
-        write_snapshot(config, run, template=None)
+        write_snapshot(config, run, template="{{ messages }}")  # any template text
         mirror = pull_mirror(run)
         console = run_console(mirror, quiet=False, out=None, existed=existed, remote=run)
         with pytest.raises(ConfigError), console:

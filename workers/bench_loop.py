@@ -105,7 +105,7 @@ def bench_loop_per_worker(loop_config: dict[str, Any]) -> None:
         for policy in rotated(policies, step):
             _timed_step(base, policy, groups, device, step)
         records = _round_records(policies, groups, device, warmup=step <= settings.warmup_steps,
-                                 session=session)
+                                 session=session, observe=base.calibration and dist.get_rank() == 0)
         ray.train.report({**records[-1], "history": records})
 
 
@@ -136,8 +136,10 @@ def _timed_step(base: WorkerSettings, policy: _Policy, groups: ParallelGroups, d
 
 
 def _round_records(policies: list[_Policy], groups: ParallelGroups, device: torch.device, *, warmup: bool,
-                   session: str) -> list[dict[str, Any]]:
-    """One record per policy for this step (collective: every rank calls it after the same step)."""
+                   session: str, observe: bool = False) -> list[dict[str, Any]]:
+    """One record per policy for this step (collective: every rank calls it after the same step); with
+    `observe` (world rank 0, online calibration) each policy's laps go to its own planner, which fits
+    from its own steps only, as a run of that policy would."""
     # On the device: NCCL gathers device tensors only.
     mine = torch.tensor([p.readings for p in policies], dtype=torch.float64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(groups.world_group))]
@@ -147,10 +149,14 @@ def _round_records(policies: list[_Policy], groups: ParallelGroups, device: torc
     for index, policy in enumerate(policies):
         (metrics,) = policy.window.flush(groups.world_group)
         payload = policy.fetched.payload
+        if observe:
+            policy.planner.observe(session, [metrics], first_step=1)
         timings = {key: per_rank[:, index, k].tolist() for k, key in enumerate(RANK_TIMINGS)}
         records.append({
             **metrics, **timings, "policy": policy.name, "warmup": warmup, "session": session,
             "predicted_step_s": payload.predicted_step_s,
+            "predicted_step_s_initial": payload.predicted_step_s_initial,
+            "calibration_version": (policy.fetched.calibration or {}).get("version", 0),
             "sample_ids": sorted(i for ids in payload.sample_ids_by_dp_rank for i in ids),
             "torch_threads": torch.get_num_threads(),
         })

@@ -3,7 +3,8 @@
     checkpoint_<time>/                  one Ray Train checkpoint (the newest *complete* one is resumed)
       step<N>/                          DeepSpeed: model, ZeRO-2 optimizer partitions, LR schedule, step
       latest
-      skrull_state.json                 {step, epoch, rows, tag, world_size, dp_size, cp_size, spares}
+      skrull_state.json                 {step, epoch, rows, tag, world_size, dp_size, cp_size, spares,
+                                         calibration}
       skrull_manifest_rank<R>.json      size and SHA-256 of each file rank R wrote (written, copied and
                                         verified before a resume: workers/checkpoint_files.py)
 
@@ -47,6 +48,9 @@ class CheckpointState:
     dp_size: int
     cp_size: int
     spares: int = 0
+    calibration: dict[str, Any] | None = None
+    """The planner's online fit when the step was planned (scheduling/refit.py Refit.to_dict, with its
+    version): a resumed or resized run plans with it from its first step."""
 
     @property
     def shape(self) -> str:

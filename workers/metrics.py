@@ -22,6 +22,14 @@ between two log steps never waits on a collective or a device-to-host copy for m
                         of each distributed sequence padded to a multiple of 2N (workers/batch.py), or one
                         idle token when that is nothing (workers/step.py)
       rank_compute_s    per world rank: compute seconds of the step (NaN for a spare rank): busy time
+      micro_batch_s     per micro-batch: the mean over the trained ranks of its lap (workers/laps.py); the
+                        ZeRO reduction ending every backward and the CP ring keep the ranks' laps equal
+      optimizer_s       the optimizer step's lap, the same mean (both are what the planner's online
+                        calibration fits the profile to: scheduling/refit.py)
+      calibration_version  how many times the planner had refitted the profile when the step was fetched;
+                        the step where it grows also carries `calibration`, the fit itself (its profile,
+                        factors, steps and errors: scheduling/calibration.py), which the driver writes to
+                        the run directory (app/profiling/calibration_log.py)
       update_skipped    DeepSpeed did not apply the step's update (its loss or gradient norm was inf/NaN,
                         workers/nonfinite.py); then also "nonfinite": which of the two
       skipped_steps     steps skipped so far by this start of the worker group
@@ -44,6 +52,7 @@ import torch.distributed as dist
 from scheduling.actor import Fetched
 from scheduling.payload import RankPayload
 from workers.batch import padded_length
+from workers.laps import Laps
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +65,7 @@ class StepRecord:
     nonfinite: str | None = None
     skipped_steps: int = 0
     lr: float = float("nan")
+    laps: Laps | None = None
 
 
 @dataclass
@@ -65,13 +75,15 @@ class MetricsWindow:
     records: list[StepRecord] = field(default_factory=list)
     spare: bool = False
     """A spare rank (workers/distributed.py): its compute time is left out of step time and imbalance."""
+    calibration_version: int = 0
+    """The newest fit's version reported so far (its record goes out once)."""
 
     def add(self, fetched: Fetched, loss_sum: torch.Tensor, grad_norm: object, compute_s: float, *,
             applied: bool = True, nonfinite: str | None = None, skipped_steps: int = 0,
-            lr: float = float("nan")) -> None:
+            lr: float = float("nan"), laps: Laps | None = None) -> None:
         norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, device=loss_sum.device)
         self.records.append(StepRecord(fetched, loss_sum, norm.detach().float(), compute_s, applied,
-                                       nonfinite, skipped_steps, lr))
+                                       nonfinite, skipped_steps, lr, laps))
 
     def flush(self, world_group: dist.ProcessGroup) -> list[dict[str, float | list[float]]]:
         """Reduce the window over all ranks (collective: every rank calls it on the same steps)."""
@@ -82,19 +94,37 @@ class MetricsWindow:
         dist.all_reduce(loss_sums, group=world_group)
         nan = float("nan")
         peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else nan
+        parts = max(len(r.fetched.payload.micro_batches) for r in self.records) + 1  # + the optimizer
         timings = torch.tensor([[r.fetched.wait_s, nan if self.spare else r.compute_s,
-                                 computed_tokens(r.fetched.payload, spare=self.spare), peak]
+                                 computed_tokens(r.fetched.payload, spare=self.spare), peak,
+                                 *_laps(r, parts, spare=self.spare)]
                                 for r in self.records], dtype=torch.float64, device=device)
         gathered = [torch.zeros_like(timings) for _ in range(dist.get_world_size(world_group))]
         dist.all_gather(gathered, timings, group=world_group)
-        per_rank = torch.stack(gathered).cpu()  # [ranks, steps, (wait, compute, computed tokens, peak)]
+        # [ranks, steps, (wait, compute, computed tokens, peak, micro-batch laps..., optimizer lap)]
+        per_rank = torch.stack(gathered).cpu()
         norms = torch.stack([r.grad_norm for r in self.records]).cpu().tolist()
         losses = loss_sums.cpu().tolist()
         metrics = [_step_metrics(r, losses[i], per_rank[:, i], norms[i]) for i, r in enumerate(self.records)]
         if device.type == "cuda":
             metrics[-1]["gpu_peak_bytes"] = int(per_rank[:, -1, 3].max())
+        for step, record in zip(metrics, self.records, strict=True):
+            calibration = record.fetched.calibration
+            if calibration is not None and calibration["version"] > self.calibration_version:
+                step["calibration"] = calibration
+                self.calibration_version = calibration["version"]
         self.records = []
         return metrics
+
+
+def _laps(record: StepRecord, parts: int, *, spare: bool) -> list[float]:
+    """The step's micro-batch laps padded with NaN to `parts - 1`, then its optimizer lap (NaN: a spare
+    rank, whose idle micro-batches are not the plan's, or no laps taken)."""
+    laps = record.laps.seconds() if record.laps is not None and not spare else []
+    if len(laps) < 2:
+        return [float("nan")] * parts
+    micro_batches = laps[:-1] + [float("nan")] * (parts - len(laps))
+    return micro_batches + [laps[-1]]
 
 
 def computed_tokens(payload: RankPayload, *, spare: bool = False) -> int:
@@ -124,6 +154,8 @@ def _step_metrics(record: StepRecord, loss_sum: float, per_rank: torch.Tensor,
     wait, compute = per_rank[trained, 0], per_rank[trained, 1]
     step_s = float((wait + compute).max())
     computed = float(per_rank[:, 2].sum())
+    laps = per_rank[trained, 4:].nanmean(dim=0) if bool(trained.any()) else per_rank[0, 4:]
+    count = len(payload.micro_batches)
     return {
         "step": payload.step,
         "epoch": payload.epoch,
@@ -146,7 +178,10 @@ def _step_metrics(record: StepRecord, loss_sum: float, per_rank: torch.Tensor,
         "mfu": payload.flops_at_peak_s / max(step_s * int(trained.sum()), 1e-9),
         "padding_fraction": 1.0 - payload.global_tokens / max(computed, 1.0),
         "subgroup_token_fraction": payload.subgroup_token_fraction,
+        "calibration_version": (record.fetched.calibration or {}).get("version", 0),
         "rank_compute_s": per_rank[:, 1].tolist(),
+        "micro_batch_s": laps[:count].tolist(),
+        "optimizer_s": float(laps[-1]),
         "update_skipped": not record.applied,
         "skipped_steps": record.skipped_steps,
     } | ({"nonfinite": record.nonfinite} if record.nonfinite else {})

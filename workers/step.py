@@ -36,6 +36,7 @@ from scheduling.payload import IGNORE_INDEX, RankPayload
 from workers.batch import RankBatch, build_rank_batch
 from workers.distributed import ParallelGroups
 from workers.forward import micro_batch_loss_sum
+from workers.laps import Laps
 from workers.nonfinite import nan_if_nonfinite
 
 
@@ -47,6 +48,8 @@ class StepStats:
     """Wall time of forward + backward + optimizer step on this rank (device-synchronized)."""
     applied: bool = True
     """DeepSpeed applied the update (False: the global gradient norm, or a loss, was inf/NaN)."""
+    laps: Laps | None = None
+    """Each micro-batch's time, then the optimizer step's (workers/laps.py; read on log steps)."""
 
 
 def idle_batch(cp_rank: int, cp_size: int, pad_id: int = 0) -> RankBatch:
@@ -74,6 +77,7 @@ def run_step(
 ) -> StepStats:
     """Forward/backward every micro-batch with the accumulation boundary on the last, then step."""
     started = time.perf_counter()
+    laps = Laps(device)
     scale = groups.world_size / max(payload.global_label_tokens, 1)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     count = len(payload.micro_batches)
@@ -89,7 +93,9 @@ def run_step(
                                           loss_chunk_tokens=loss_chunk_tokens)
         engine.backward(micro_loss * scale * nan_if_nonfinite(micro_loss), scale_wrt_gas=False)
         loss_sum += micro_loss.detach().float()
+        laps.mark()
     engine.step()
+    laps.mark()
     synchronize(device)
     return StepStats(loss_sum=loss_sum, compute_s=time.perf_counter() - started,
-                     applied=bool(engine.was_step_applied()))
+                     applied=bool(engine.was_step_applied()), laps=laps)

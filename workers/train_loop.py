@@ -92,6 +92,8 @@ class WorkerSettings:
     """train.nonfinite and train.max_skipped_steps (workers/nonfinite.py)."""
     lr_schedule: LrSchedule = LrSchedule()
     """train.lr_scheduler, warmup and min_lr_ratio over total_steps (workers/lr_schedule.py)."""
+    calibration: bool = False
+    """scheduling.calibration=online: world rank 0 sends each log window's laps to the planner."""
 
 
 def _append_samples(run_dir: str, payload: RankPayload) -> None:
@@ -113,12 +115,14 @@ def _append_samples(run_dir: str, payload: RankPayload) -> None:
 
 
 def _report(window: list[dict[str, Any]], engine: DeepSpeedEngine, payload: RankPayload,
-            groups: ParallelGroups, save: bool, run_dir: str) -> str | None:
+            groups: ParallelGroups, save: bool, run_dir: str,
+            calibration: dict[str, Any] | None = None) -> str | None:
     """The one place that calls ray.train.report; with `save`, every rank writes its DeepSpeed shard.
 
     The reported metrics are the window's last step, plus every step of the window under "history"
     (the driver's progress bar and summary read that). Returns why the run stops (a checkpoint that could
-    not be written; its step's metrics then carry the reason as "stopped"), or None.
+    not be written; its step's metrics then carry the reason as "stopped"), or None. A checkpoint keeps
+    `calibration`, the planner's online fit when the step was fetched (a resume plans with it).
     """
     import ray.train
     from ray.train import CheckpointUploadMode
@@ -127,7 +131,8 @@ def _report(window: list[dict[str, Any]], engine: DeepSpeedEngine, payload: Rank
     if save:
         state = CheckpointState(step=payload.step, epoch=payload.cursor.epoch, rows=payload.cursor.rows,
                                 tag=f"step{payload.step}", world_size=groups.world_size,
-                                dp_size=groups.dp_size, cp_size=groups.cp_size, spares=groups.spares)
+                                dp_size=groups.dp_size, cp_size=groups.cp_size, spares=groups.spares,
+                                calibration=calibration)
         saved = save_checkpoint(engine, state, groups.world_group, run_dir)
         if saved.failure is not None:
             window[-1]["stopped"] = saved.failure
@@ -174,7 +179,9 @@ def restart_planner(planner: Any, groups: ParallelGroups, resume: CheckpointStat
 
     resumed = resume.step if resume else 0
     start = Cursor(epoch=resume.epoch, rows=resume.rows) if resume else Cursor(epoch=0, rows=0)
-    restart = planner.restart.remote(session, start, resumed + 1, groups.dp_size, groups.spares)
+    calibration = resume.calibration if resume else None  # the profile the run had fitted by then
+    restart = planner.restart.remote(session, start, resumed + 1, groups.dp_size, groups.spares,
+                                     calibration=calibration)
     ray.get(restart, timeout=timeout_s)
 
 
@@ -274,6 +281,7 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
     last = settings.total_steps
     eval_set = EvalSet.fetch(settings.planner, groups, timeout_s=settings.planner_timeout_s) \
         if settings.eval_every else None
+    observe = planner.observe if is_rank0 and settings.calibration else None
     for step in range(resumed + 1, last + 1):
         fetched, _ = fetch_and_step(settings, planner, engine, groups, device, window, step, guard=guard)
         if guard.stop is not None:  # its samples were never trained on: samples.jsonl does not get them
@@ -289,10 +297,13 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
         evaluate = eval_set is not None and is_eval_step(step, last, settings.eval_every)
         if save or evaluate or step % settings.log_every == 0:
             metrics = [m | shape for m in window.flush(groups.world_group)]
+            if observe is not None:
+                observe(session, metrics, first_step=resumed + 1)
             if evaluate:
                 metrics[-1]["eval_loss"] = eval_set.loss(engine, groups, device=device,
                                                          loss_chunk_tokens=settings.loss_chunk_tokens)
-            if _report(metrics, engine, fetched.payload, groups, save=save, run_dir=settings.run_dir):
+            if _report(metrics, engine, fetched.payload, groups, save=save, run_dir=settings.run_dir,
+                       calibration=fetched.calibration):
                 return
             if save:
                 guard.last_checkpoint_step = step
@@ -320,5 +331,6 @@ def fetch_and_step(settings: WorkerSettings, planner: PlannerClient, engine: Dee
         if nonfinite and guard.stop is None and dist.get_rank() == 0:
             print(guard.warning(step, nonfinite), flush=True)
     window.add(fetched, stats.loss_sum, engine.get_global_grad_norm(), stats.compute_s, applied=stats.applied,
-               nonfinite=nonfinite, skipped_steps=guard.skipped if guard is not None else 0, lr=lr)
+               nonfinite=nonfinite, skipped_steps=guard.skipped if guard is not None else 0, lr=lr,
+               laps=stats.laps)
     return fetched, stats

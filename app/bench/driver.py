@@ -50,8 +50,10 @@ class BenchRun:
     config: SkrullConfig
     policies: tuple[str, ...]
     steps: int
-    """Counted steps per policy (after WARMUP_STEPS warm-up steps)."""
+    """Counted steps per policy (after `warmup_steps` uncounted ones)."""
     warmup_steps: int
+    """Leading uncounted steps: WARMUP_STEPS, plus scheduling.calibration_window with online calibration
+    (the planners fit the profile, and skrull explores its candidates, before the counted steps)."""
     records: list[dict[str, Any]]
     """One per (step, policy), in the order they ran, warm-up included (keys: workers/bench_loop.py)."""
     wall_s: float
@@ -111,8 +113,15 @@ def bench_train(config: SkrullConfig, policies: Sequence[str], steps: int, *, pr
         records = _run(config, data, names, steps, name, run_dir, progress=progress,
                        worker_logs=worker_logs, out=terminal)
     machine["load_avg_1_5_15_min_end"] = [round(x, 2) for x in os.getloadavg()]
-    return BenchRun(config=config, policies=names, steps=steps, warmup_steps=WARMUP_STEPS, records=records,
-                    wall_s=time.perf_counter() - started, run_dir=str(run_dir), machine=machine)
+    return BenchRun(config=config, policies=names, steps=steps, warmup_steps=uncounted_steps(config),
+                    records=records, wall_s=time.perf_counter() - started, run_dir=str(run_dir),
+                    machine=machine)
+
+
+def uncounted_steps(config: SkrullConfig) -> int:
+    """BenchRun.warmup_steps of a bench of `config`."""
+    sched = config.scheduling
+    return WARMUP_STEPS + (sched.calibration_window if sched.calibration == "online" else 0)
 
 
 def _with_policy(config: SkrullConfig, policy: str) -> SkrullConfig:
@@ -129,7 +138,8 @@ def _run(config: SkrullConfig, data: ResolvedData, policies: tuple[str, ...], st
     from app.train.run_monitor import RunMonitor
     from workers.bench_loop import BenchSettings, bench_loop_per_worker
 
-    total = WARMUP_STEPS + steps
+    warmup = uncounted_steps(config)
+    total = warmup + steps
     # A restarted group would re-run steps on engines that already took them: fail instead of retrying.
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, max_failures=0))
     with ray_session(config, worker_logs=worker_logs) as embedded:
@@ -139,8 +149,7 @@ def _run(config: SkrullConfig, data: ResolvedData, policies: tuple[str, ...], st
                                            tokenizer=data.tokenizer)) for p in policies)
         monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
         worker = worker_settings(config, None, monitor, total, str(run_dir), tokenizer=data.tokenizer)
-        settings = BenchSettings(worker=worker,
-                                 planners=planners, warmup_steps=WARMUP_STEPS)
+        settings = BenchSettings(worker=worker, planners=planners, warmup_steps=warmup)
         trainer = make_trainer(config, settings, name, monitor, loop=bench_loop_per_worker, embedded=embedded)
         _, records = fit_with_progress(config, trainer, monitor, total, progress=progress, out=out)
     if len(records) != total * len(policies):

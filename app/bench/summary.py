@@ -28,6 +28,7 @@ def summarize(result: Any) -> dict[str, Any]:
     return {
         "policies": rows,
         "steps": result.steps, "warmup_steps": result.warmup_steps,
+        "calibration": config.scheduling.calibration,
         "dp_size": config.parallel.dp_size, "cp_size": config.parallel.cp_size,
         "bucket_size": config.scheduling.bucket_size,
         "global_batch_size": config.scheduling.global_batch_size,
@@ -70,6 +71,12 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(finite) if finite else None
 
 
+def _abs_error(records: list[dict[str, Any]], key: str) -> float | None:
+    """Median over the steps of |predicted - measured| / measured (`key`: which prediction; records from
+    before the starting profile's prediction was kept fall back to the one they have)."""
+    return _median([abs(r.get(key, r["predicted_step_s"]) - r["step_s"]) / r["step_s"] for r in records])
+
+
 def _imbalance(values: list[float]) -> float:
     """max / mean: 1.0 is perfect balance."""
     return max(values) / max(statistics.fmean(values), 1e-12)
@@ -83,12 +90,17 @@ def _policy_row(records: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians of one policy's counted steps (see the module docstring for each key)."""
     step_s = statistics.median(r["step_s"] for r in records)
     predicted = _median([r["predicted_step_s"] for r in records])
+    initial = _median([r.get("predicted_step_s_initial", r["predicted_step_s"]) for r in records])
     busy = _per_rank_median(records, "rank_compute_s")
     return {
         "step_s_median": step_s,
         "tokens_per_s": statistics.median(r["tokens"] for r in records) / step_s,
         "predicted_step_s": predicted,
         "prediction_error": predicted / step_s - 1 if predicted is not None else None,
+        "prediction_error_before_calibration": initial / step_s - 1 if initial is not None else None,
+        "prediction_abs_error_median": _abs_error(records, "predicted_step_s"),
+        "prediction_abs_error_median_before_calibration": _abs_error(records, "predicted_step_s_initial"),
+        "calibration_version": max(r.get("calibration_version", 0) for r in records),
         "planner_wait_s_median": statistics.median(r["planner_wait_s"] for r in records),
         "step_cpu_s_median": statistics.median(max(r["rank_cpu_s"]) for r in records),
         "compute_imbalance": statistics.median(r["compute_imbalance"] for r in records),

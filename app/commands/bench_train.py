@@ -1,14 +1,17 @@
 """`python -m app bench train`: measured step time of scheduling policies on the same global batches.
 
     python -m app bench train --config configs/bench/cpu-lmsys.yaml
-        [--policies skrull,balanced_packed,static_cp_packed,static_cp,sorted] [--steps 8] [--json]
-        [--plot out.png]
+        [--policies skrull,balanced_packed,static_cp_packed,static_cp,sorted] [--steps 8]
+        [--calibration online|off] [--json] [--plot out.png]
         [--set key=value ...] [--no-progress] [--verbose]
 
 One Ray session and one worker group train every policy, interleaved step by step (A B C D, B C D A, ...:
 the order rotates each step, so no policy always runs first) after one warm-up step each, from identical
-weights on identical global batches (app/bench/driver.py, workers/bench_loop.py).
-Per policy, over the counted steps:
+weights on identical global batches (app/bench/driver.py, workers/bench_loop.py). With --calibration
+online (the default config's) each policy's planner refits its profile from that policy's own steps only,
+as a run of that policy would (scheduling/refit.py; so no policy plans with what another one measured),
+and the counted steps start after scheduling.calibration_window more uncounted steps, over which skrull
+also runs its candidate plans in turn. Per policy, over the counted steps:
 
     step_s_median          median of step_s = max over ranks of (planner wait + compute), as `train` reports
     step_cpu_s_median      median of the step's largest per-rank CPU time (the work, without the waiting)
@@ -16,6 +19,10 @@ Per policy, over the counted steps:
                            batches, so ratios of tokens_per_s are the speedups)
     predicted_step_s       median of the cost model's step time of the same plans (scheduling/simulate.py)
     prediction_error       predicted_step_s / step_s_median - 1
+    prediction_error_before_calibration   the same with the starting profile's predictions of the same plans
+    prediction_abs_error_median           median over the steps of |predicted - measured| / measured
+    prediction_abs_error_median_before_calibration   the same with the starting profile's predictions
+    calibration_version    how many times the policy's planner had refitted by its last counted step
     speedup_vs_<baseline>  the baseline's step_s_median / this policy's; null when it was not run
     paired_speedup_vs_<baseline>  median over steps of the baseline's step_s / this policy's on the same batch
     planner_wait_s_median  median of a step's longest planner wait
@@ -26,10 +33,11 @@ Per policy, over the counted steps:
     per_step               step, step_s, predicted_step_s, loss, tokens and sorted sample ids of each step
 
 Top level: `same_samples` (every policy trained the same sample ids at every step), `loss_max_rel_diff`
-(the largest relative loss difference from the first policy at any step), `stale_profile_warning` (the
-warning of app/profiling/stale_check.py when the profile's predictions are off by more than 30%, else null;
-also printed), `wall_s`, `machine` (cores,
-load average at start and end), `run_dir` (the log and bench_train.json, a copy of the --json line).
+(the largest relative loss difference from the first policy at any step), `calibration` (online | off),
+`warmup_steps` (the uncounted steps), `stale_profile_warning` (the warning of app/profiling/stale_check.py
+when the profile's predictions are off by more than 30%, else null; also printed), `wall_s`, `machine`
+(cores, load average at start and end), `run_dir` (the log and bench_train.json, a copy of the --json
+line).
 Nothing heavy is imported until the command runs.
 """
 
@@ -57,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_argument(parser)
     parser.add_argument("--policies", default=DEFAULT_POLICIES,
                         help=f"comma-separated scheduling policies to compare (default {DEFAULT_POLICIES})")
-    parser.add_argument("--steps", type=int, default=8, help="counted steps per policy, after 1 warm-up")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="counted steps per policy, after 1 warm-up (and the calibration window)")
+    parser.add_argument("--calibration", choices=("online", "off"), default=None,
+                        help="scheduling.calibration for every policy (default: the config's): online "
+                             "refits each policy's profile from its own steps, and the counted steps start "
+                             "after scheduling.calibration_window more steps")
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="write per-rank busy time (static_cp_packed beside skrull) and predicted vs "
                              "measured step time to this image")
@@ -87,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     policies = check_policies(args.policies.split(","))
     if args.plot:
         check_plot_path(args.plot)
+    if args.calibration is not None:
+        args.overrides = [*args.overrides, f"scheduling.calibration={args.calibration}"]
     config = config_from_args(args)
     try:
         result = bench_train(config, policies, args.steps, progress=not (args.no_progress or args.json),

@@ -63,7 +63,8 @@ def planner_actor(config: SkrullConfig, dataset: Dataset, total_steps: int, name
         seed=sched.seed, static_cp_micro_batch=sched.static_cp_micro_batch,
         eval_fraction=config.data.eval_fraction, data_seed=config.data.seed,
         shuffle=config.data.shuffle and config.data.source != "synthetic",  # synthetic: random already
-        cp_degrees=config.cp_degrees,
+        cp_degrees=config.cp_degrees, calibration=sched.calibration == "online",
+        calibration_window=sched.calibration_window,
     )
     # Ray restarts a dead planner actor (a fresh one, planning from the run's start); the workers' own
     # restart then moves it to the checkpoint's cursor. Calls are never retried: a payload call answered
@@ -95,6 +96,7 @@ def worker_settings(config: SkrullConfig, planner: ActorHandle | None, monitor: 
         planner_timeout_s=config.scheduling.planner_timeout_s, eval_every=train.eval_every,
         nonfinite=NonFinitePolicy(train.nonfinite, train.max_skipped_steps),
         lr_schedule=lr_schedule(train, total_steps),
+        calibration=config.scheduling.calibration == "online",
     )
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ray.train import Result
     from ray.train.torch import TorchTrainer
 
+    from app.profiling.calibration_log import CalibrationLog
     from app.profiling.stale_check import StaleProfileCheck
 
 
@@ -50,7 +51,7 @@ def fit_with_progress(config: SkrullConfig, trainer: TorchTrainer, monitor: Acto
         sinks = open_sinks(SinkContext(config=config, run_dir=run_dir, run_name=run_name or run_dir.name,
                                        total_steps=total_steps, out=out))
         starts = (WorkerStartsLog(run_dir, total_steps).write,)
-        checks = (_stale_profile_check(config, run_dir, total_steps),)
+        checks = (_profile_check(config, run_dir, total_steps),)
     with sinks as opened, ProgressBar(monitor, total_steps, enabled=progress, file=out,
                                       sinks=tuple(sink.write for sink in opened), start_sinks=starts,
                                       line_sinks=checks) as bar, _environment(timeout):
@@ -58,9 +59,15 @@ def fit_with_progress(config: SkrullConfig, trainer: TorchTrainer, monitor: Acto
     return result, bar.history
 
 
-def _stale_profile_check(config: SkrullConfig, run_dir: Path, total_steps: int) -> StaleProfileCheck:
-    """The run's stale-profile check (app/profiling/stale_check.py); `profile` takes the run's saved
-    config."""
+def _profile_check(config: SkrullConfig, run_dir: Path,
+                   total_steps: int) -> CalibrationLog | StaleProfileCheck:
+    """What the run says about its hardware profile: with online calibration the fits it made
+    (app/profiling/calibration_log.py), else whether the profile is stale (app/profiling/stale_check.py;
+    `profile` takes the run's saved config)."""
+    if config.scheduling.calibration == "online":
+        from app.profiling.calibration_log import CalibrationLog
+
+        return CalibrationLog(profile=config.hardware.profile, run_dir=run_dir)
     from app.profiling.stale_check import StaleProfileCheck
 
     return StaleProfileCheck(profile=config.hardware.profile, config=str(run_dir / CONFIG_SNAPSHOT),

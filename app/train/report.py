@@ -25,6 +25,9 @@ worker group re-trains the steps after its checkpoint) counts once, with its las
     starts (worker-group starts), restarts (starts beyond the first of each `train` call: failures and
     elastic resizes), resumes (`train` calls beyond the first),
     rank_compute_s_mean (per world rank, over the steps of the newest group shape; null: a spare rank),
+    calibration (scheduling.calibration=online: {fits, steps, factors, profile} of the newest fit and
+    step_error_first / step_error_last, the median |predicted - measured| / measured over the first and
+    the last steps; null without a fit: app/profiling/calibration_log.py),
     data (data_summary.json, or null), history (every step's record, in step order)
 
 Missing metrics (a run from before a metric existed) give null, never an error.
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import ConfigError
+from app.profiling.calibration_log import calibration_summary, describe_factors
 from app.profiling.stale_check import STALE_STEPS, STALE_TOLERANCE, median_ratio
 from app.rundir.files import is_run_dir, read_run
 from app.sinks.tensorboard import scalars
@@ -161,7 +165,8 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
         "planner_wait_s_median": _median(_values(history, "planner_wait_s")),
         "plan_ms_median": _median(_values(history, "plan_ms")),
         "starts": len(run["starts"]), "restarts": restarts, "resumes": resumes,
-        "rank_compute_s_mean": rank_compute_means(history), "data": run["data"], "history": history,
+        "rank_compute_s_mean": rank_compute_means(history), "calibration": calibration_summary(history),
+        "data": run["data"], "history": history,
     }
 
 
@@ -216,11 +221,24 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         f"plan {_fmt(r['plan_ms_median'])} ms",
         f"restarts  {r['restarts']} ({r['starts']} worker-group starts, {r['resumes']} resumes)",
     ]
+    lines += _calibration_lines(r)
     busy = r["rank_compute_s_mean"]
     if busy:
         ranks = ", ".join(f"{rank}: {_fmt(s)}" for rank, s in enumerate(busy))
         lines.append(f"busy s    per rank, mean compute per step: {ranks}")
     return lines
+
+
+def _calibration_lines(r: dict[str, Any]) -> list[str]:
+    """The online calibration's story (app/profiling/calibration_log.py), or nothing without a fit."""
+    fit = r.get("calibration")
+    if fit is None:
+        return []
+    steps = fit["steps"]
+    return [f"profile   {fit['fits']} online fit(s), the newest from steps {steps[0]}-{steps[-1]}: "
+            f"{describe_factors(fit['factors'])}",
+            f"          predicted vs measured step time: {_fmt(_pct(fit['step_error_first']), '.0f')}% off "
+            f"over the first steps, {_fmt(_pct(fit['step_error_last']), '.0f')}% over the last"]
 
 
 def _profile_note(r: dict[str, Any]) -> str:
