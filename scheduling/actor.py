@@ -22,9 +22,10 @@ looks rows up by position from there, so a permuted epoch costs no re-read of th
 Online calibration (scheduling.calibration=online, scheduling/refit.py): the planner keeps each step's plan;
 world rank 0 sends every log window's measured micro-batch and optimizer laps (`observe`), and the planner
 refits the profile's time terms from the newest `calibration_window` steps and plans every later step with
-the fitted profile. The newest fit rides on every payload fetch (Fetched.calibration), so the driver
-writes it to the run directory and the workers' checkpoints carry it; `restart` adopts a checkpoint's
-fit. Skrull's
+the fitted profile. Every fit starts from the same anchor (the starting profile, or the fit a checkpoint
+carried), not from the previous fit, so where the windows cannot tell terms apart the fits do not drift.
+The newest fit rides on every payload fetch (Fetched.calibration), so the driver writes it to the run
+directory and the workers' checkpoints carry it; `restart` adopts a checkpoint's fit. Skrull's
 plans then weigh balanced_packed and dynamic_cp too, and over its first `calibration_window` steps without a
 fit it runs its candidates in turn (scheduling/skrull.py `explore`) so the fit sees what it chooses between.
 
@@ -135,6 +136,7 @@ class PlannerActor:
         self._eval = EvalSource(dataset, eval_dataset, settings)
         self._cost = cost
         self._initial_cost = cost
+        self._anchor = cost  # what every fit is relative to: the starting profile, or a checkpoint's fit
         self._calibration = Calibration(settings.calibration_window)
         self._plan_ms: list[float] = []
         self._status_counts: dict[str, int] = {}
@@ -164,6 +166,7 @@ class PlannerActor:
             self._session = session
             if calibration is not None and self._calibration.adopt(calibration):
                 self._cost = dataclasses.replace(self._cost, profile=self._calibration.profile)
+                self._anchor = self._cost
             shape = (self._settings.dp_size, self._settings.spares)
             if (start, first_step, (dp_size, spares)) == (self._start, self._first_step, shape) \
                     and self._consumed == first_step - 1 and self._error is None:
@@ -229,11 +232,11 @@ class PlannerActor:
         with self._cond:
             if session != self._session or not self._settings.calibration:
                 return
-            settings, cost = self._settings, self._cost
+            settings, anchor = self._settings, self._anchor
         world = settings.dp_size * settings.cp_size + settings.spares
-        fitted = self._calibration.observe(timings, cost, world=world)
+        fitted = self._calibration.observe(timings, anchor, world=world)
         if fitted is not None:
-            self._cost = dataclasses.replace(cost, profile=fitted)
+            self._cost = dataclasses.replace(anchor, profile=fitted)
 
     def calibration(self) -> dict[str, Any] | None:
         """The newest fit (Refit.to_dict with its version), or None."""

@@ -56,7 +56,8 @@ class Calibration:
 
     def observe(self, timings: Sequence[dict[str, Any]], cost: CostModel, *,
                 world: int) -> HardwareProfile | None:
-        """Add the laps and refit over the newest `window` steps; the fitted profile, or None."""
+        """Add the laps and refit over the newest `window` steps, relative to `cost` (the anchor); the
+        fitted profile, or None."""
         with self._fitting:
             return self._observe(timings, cost, world)
 

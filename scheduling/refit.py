@@ -19,11 +19,13 @@ For the rank the current terms make critical, with the overlap resolved by which
 where x_compute and x_ring are that rank's compute and ring seconds as the overlap leaves them, and the
 factors K say how far the profile's compute and ring terms are off (1: right). The fit:
 
-- relative least squares (every micro-batch weighs alike, short or long), Huber-reweighted (IRLS): a
-  residual beyond delta = max(5%, 1.5 x the median residual) counts delta / |r|, beyond 5 delta nothing (a
-  GC pause, a neighbour's burst);
-- a weak prior on every term's value in use, worth one typical micro-batch: a term the window cannot see
-  (no sharded micro-batch, say) keeps its value;
+- maximum a posteriori: relative residuals (every micro-batch weighs alike, short or long) in units of
+  the window's noise sigma (1.48 x their median, >= 1%), against a Gaussian prior centred on the profile in
+  use (`_prior_spread`: about 50% for each factor) — where the window's micro-batches cannot tell two
+  terms apart (all packed alike: compute against overhead) the prior keeps their split and the data move
+  only what they show; a term the window cannot see at all (no sharded micro-batch) keeps its value;
+- Huber-reweighted (IRLS): a residual beyond 1.5 sigma counts 1.5 sigma / |r|, beyond 7.5 sigma nothing
+  (a GC pause, a neighbour's burst);
 - bounds (K_compute and K_ring within [0.2, 5] per fit, b >= 0, q >= 0) by fixing a violating term at its
   bound and solving again;
 - three rounds: the critical rank and the overlap regimes are re-derived from the fitted terms, since the
@@ -57,7 +59,12 @@ a window where a term is a small share of the time cannot pin it, and noise must
 orders of magnitude."""
 _ROUNDS = 3
 _IRLS = 6
-PRIOR = 0.1
+PRIOR_SPREAD = 1.0
+"""The prior's standard deviation of the compute and ring factors (and the overhead): the profile in use may
+be off by about half (each later fit starts from the last, so a larger error takes a few fits)."""
+MIN_NOISE = 0.01
+"""The smallest relative noise a window's residuals are weighed by (a perfect fit must not make the data
+infinitely certain)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -214,21 +221,37 @@ def _median_error(predicted: np.ndarray, measured: np.ndarray) -> float:
 
 
 def _robust_fit(rows: np.ndarray, seconds: np.ndarray, prior: np.ndarray) -> np.ndarray:
-    """Huber-IRLS relative least squares with the one-micro-batch prior and the lower bounds."""
-    typical = np.array([np.median(np.abs(col[col != 0])) if np.any(col != 0) else 0.0 for col in rows.T])
-    scale = float(np.median(seconds))
-    # prior weight: one micro-batch of relative error per term's typical contribution; a column the window
-    # never exercises is pinned to its prior instead (no information either way)
-    prior_weight = PRIOR * np.where(typical > 0, typical / scale, 1e3 / max(scale, 1e-12))
+    """The MAP fit (module docstring): Huber-IRLS relative least squares whose residuals are measured in
+    units of the window's own noise (sigma, re-estimated each round), against the prior's spread."""
+    spread = _prior_spread(rows, seconds, prior)
     hubers = np.ones(len(seconds))
+    sigma = MIN_NOISE
     theta = prior.copy()
     for _ in range(_IRLS):
-        theta = _bounded_least_squares(rows, seconds, hubers / seconds, prior, prior_weight)
+        theta = _bounded_least_squares(rows, seconds, hubers / (seconds * sigma), prior, 1.0 / spread)
         residual = np.abs(rows @ theta - seconds) / seconds
-        delta = max(0.05, 1.5 * float(np.median(residual)))
+        sigma = max(MIN_NOISE, 1.4826 * float(np.median(residual)))  # the MAD's normal-equivalent
+        delta = 1.5 * sigma
         hubers = np.where(residual <= delta, 1.0, delta / np.maximum(residual, 1e-12))
         hubers[residual > 5 * delta] = 0.0
     return theta
+
+
+def _prior_spread(rows: np.ndarray, seconds: np.ndarray, prior: np.ndarray) -> np.ndarray:
+    """How far each term may plausibly be from the profile in use (one standard deviation of the prior).
+
+    The compute and ring factors: PRIOR_SPREAD of their value. The micro-batch overhead: PRIOR_SPREAD of its
+    value or of a tenth of the median micro-batch, whichever is larger (a profile may have it near 0). A
+    sharded sequence: up to a tenth of the median micro-batch each. A term the window never exercises (no
+    sharded micro-batch) is pinned: nothing either way.
+    """
+    typical_t = float(np.median(seconds))
+    steps = rows[:, 3][rows[:, 3] > 0]
+    spread = np.array([PRIOR_SPREAD * prior[0], PRIOR_SPREAD * prior[1],
+                       max(PRIOR_SPREAD * prior[2], 0.1 * typical_t),
+                       max(prior[3], 0.1 * typical_t / float(np.median(steps))) if len(steps) else 0.0])
+    exercised = np.any(rows != 0, axis=0)
+    return np.where(exercised & (spread > 0), spread, 1e-9 * np.maximum(np.abs(prior), 1.0))
 
 
 def _bounded_least_squares(rows: np.ndarray, seconds: np.ndarray, weights: np.ndarray, prior: np.ndarray,
