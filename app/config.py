@@ -337,7 +337,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     zero_stage: int = 2
-    """DeepSpeed ZeRO stage (the product is built and tested for 2). Stage 0 is refused: only ZeRO's
+    """DeepSpeed ZeRO stage: 2 partitions gradients and optimizer state over all DP x CP ranks, 3 the
+    weights too (gathered per layer in its forward and backward: for models whose weights do not fit one
+    device, at the cost of the gathers), 1 the optimizer state only. Stage 0 is refused: only ZeRO's
     optimizer checks the gradient norm for inf/NaN before it applies an update (`nonfinite` relies on it)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory per token, ~1/3 more compute."""
@@ -390,8 +392,8 @@ class TrainConfig:
             value = getattr(self, name)
             _require(isinstance(value, str) and value == value.strip() and "/" not in value,
                      f"train.{name} must be a name without '/' or surrounding spaces, got {value!r}")
-        _require(self.zero_stage in (1, 2), "train.zero_stage must be 1 or 2 (built and tested: 2; stage 0 "
-                 "applies inf/NaN gradients, the non-finite guard needs ZeRO's overflow check)")
+        _require(self.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3 (stage 0 applies inf/NaN "
+                 "gradients, the non-finite guard needs ZeRO's overflow check)")
         _require(self.loss_chunk_tokens >= 1, "train.loss_chunk_tokens must be >= 1")
         _require(self.log_every >= 1, "train.log_every must be >= 1")
         _require(self.max_failures >= -1, "train.max_failures must be >= 0 (or -1: no limit)")

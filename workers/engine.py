@@ -17,6 +17,7 @@ from typing import Any, TypedDict
 import torch
 import torch.distributed as dist
 
+from workers.loss import LOSS_HEAD
 from workers.lr_schedule import LrSchedule, scheduler_factory
 from workers.models import ModelSpec
 
@@ -38,13 +39,22 @@ class OptimizerSection(TypedDict):
     params: AdamWParams
 
 
-class ZeroSection(TypedDict):
+class _ZeroRequired(TypedDict):
     stage: int
     overlap_comm: bool
     contiguous_gradients: bool
     reduce_scatter: bool
     reduce_bucket_size: float
     allgather_bucket_size: float
+
+
+class ZeroSection(_ZeroRequired, total=False):
+    """Stage 3 only: DeepSpeed's parameter-partitioning knobs (app/model/deepspeed_config.py)."""
+
+    stage3_prefetch_bucket_size: float
+    stage3_param_persistence_threshold: float
+    stage3_max_live_parameters: float
+    stage3_max_reuse_distance: float
 
 
 class EnabledFlag(TypedDict):
@@ -187,7 +197,20 @@ def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.devi
     torch.manual_seed(seed)  # identical initial weights on every rank for random-init models
     model = spec.build().to(device)
     model.train()  # from_pretrained returns eval mode, which would also silently skip activation recompute
+    prepare_for_zero(model, ds_config)
     engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config), mpu=groups,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       lr_scheduler=scheduler_factory(lr_schedule or LrSchedule()))
     return engine
+
+
+def prepare_for_zero(model: torch.nn.Module, ds_config: DeepSpeedConfig) -> None:
+    """Before `deepspeed.initialize`: at ZeRO stage 3, register the LM head's parameters as external
+    parameters of the model's LossHead (workers/loss.py), DeepSpeed's interface for a parameter used
+    outside its own module's forward, so that the loss's forward and backward find it gathered."""
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return
+    deepspeed = import_deepspeed()
+    head = getattr(model, LOSS_HEAD)
+    for param in head.head.parameters():
+        deepspeed.zero.register_external_parameter(head, param)

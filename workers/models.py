@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.attention import register_dacp_attention
+from workers.loss import LOSS_HEAD, LossHead
 from workers.presets import TINY_DEFAULTS, is_tiny_preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -127,7 +128,16 @@ def build_model(
         model = apply_lora(model, lora_config(lora_r, lora_alpha, lora_dropout, lora_target_modules))
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    attach_loss_head(model)
     return model
+
+
+def attach_loss_head(model: torch.nn.Module) -> LossHead:
+    """Give `model` its chunked loss as a submodule (workers/loss.py LossHead: what ZeRO-3 needs to gather
+    the LM head's weight for it); it holds no parameter, so state dicts and exports are unchanged."""
+    head = LossHead(model.get_output_embeddings())
+    setattr(model, LOSS_HEAD, head)
+    return head
 
 
 def lora_config(r: int, alpha: float, dropout: float, target_modules: str | tuple[str, ...]):

@@ -85,7 +85,8 @@ def _settings(config: Any, args: argparse.Namespace, steps: list[Any], on_gpu: b
     return ProfileSettings(
         steps=tuple(step.payloads for step in steps),
         model=model_spec(config.model, config.train, tokenizer=config.data.tokenizer),
-        deepspeed=deepspeed_config(config.train, dtype=config.model.dtype, on_gpu=on_gpu),
+        deepspeed=deepspeed_config(config.train, dtype=config.model.dtype, on_gpu=on_gpu,
+                                   hidden_size=cost.hidden_size),
         cp_size=config.parallel.cp_size, cases=compute_cases(max_tokens),
         memory_cases=tuple((max(32, max_tokens // d),) for d in (8, 4, 2, 1)),
         kv_hidden_size=cost.kv_hidden_size, repeats=args.repeats,

@@ -269,13 +269,15 @@ def worker_settings(config: SkrullConfig, planner: Any, monitor: Any, total_step
     """The workers' WorkerSettings (model, DeepSpeed JSON, timeouts) from the config tree."""
     from app.model.deepspeed_config import deepspeed_config
     from app.model.spec import model_spec
+    from app.profiling.hardware import model_dims
     from workers.nonfinite import NonFinitePolicy
     from workers.train_loop import WorkerSettings
 
     train = config.train
     return WorkerSettings(
         model=model_spec(config.model, train, tokenizer=config.data.tokenizer),
-        deepspeed=deepspeed_config(train, dtype=config.model.dtype, on_gpu=_use_gpu(config)),
+        deepspeed=deepspeed_config(train, dtype=config.model.dtype, on_gpu=_use_gpu(config),
+                                   hidden_size=model_dims(config.model, config.data.tokenizer).hidden_size),
         cp_size=config.parallel.cp_size, cp_degrees=config.cp_degrees, total_steps=total_steps,
         loss_chunk_tokens=train.loss_chunk_tokens,
         checkpoint_every=train.checkpoint_every, log_every=train.log_every, run_dir=run_dir,
