@@ -159,3 +159,28 @@ def test_every_nth_layer_recomputes_those_layers_and_the_gradient_is_unchanged()
         micro_batch_loss_sum(model, batch).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-8)
+
+
+def test_activation_offload_lowers_the_peak_device_memory_of_a_long_sequence() -> None:
+    """Tensor accounting (workers/tools/tensor_ledger.py) of one forward+backward of a 4096-token sequence:
+    recomputation keeps each layer's input instead of its activations, offload moves those inputs to host
+    memory, so the peak drops by about layers x tokens x hidden x 4 bytes (fp32) more."""
+    import numpy as np
+
+    from scheduling import DacpPlan
+    from workers.batch import build_rank_batch
+    from workers.models import build_model
+    from workers.tools.tensor_ledger import peak_device_bytes
+
+    tokens, layers, hidden = 4096, 4, 64
+    ids = [np.random.default_rng(0).integers(1, 128, tokens).tolist()]
+    batch = build_rank_batch(DacpPlan(local=((0,),), distributed=()), ids, ids, cp_rank=0, cp_size=1)
+    peaks = {}
+    for name, knobs in {"none": {}, "recompute": {"activation_checkpointing": True},
+                        "offload": {"activation_checkpointing": True, "activation_offload": True}}.items():
+        model = build_model("tiny-qwen2", vocab_size=128, num_layers=layers, hidden_size=hidden, **knobs)
+        model.train()
+        peaks[name] = peak_device_bytes(model, batch, loss_chunk_tokens=1024)
+    inputs = layers * tokens * hidden * 4
+    assert peaks["recompute"] < peaks["none"] / 2, peaks
+    assert peaks["recompute"] - peaks["offload"] >= 0.75 * inputs, (peaks, inputs)

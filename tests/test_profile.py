@@ -123,8 +123,10 @@ def test_profile_measures_this_machine_and_writes_a_loadable_profile(tmp_path: P
     assert main(["profile", "--config", "configs/tiny-cpu.yaml", *sets, "--max-tokens", "1024",
                  "--repeats", "1", "--steps", "1", "--out", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result["residuals"]) == {"compute", "ring", "memory", "step"}
+    # memory per checkpointing setting: nothing and every layer recomputed (offload on CUDA only)
+    assert set(result["residuals"]) == {"compute", "ring", "memory", "memory_checkpointed", "step"}
     raw = result["raw"]
+    assert result["profile"]["checkpoint_bytes_per_hidden"] > 0 and len(raw["memory_checkpointed"]) == 4
     assert len(raw["steps"]) == len(STEP_POLICIES) and min(raw["steps"]) > 0
     assert raw["step_fit"]["scale"] > 0
     sizes = [row["bytes"] for row in raw["ring"]]

@@ -42,8 +42,14 @@ def _ds_config() -> dict:
     return config
 
 
+def held_elements(params: list[torch.nn.Parameter]) -> int:
+    """Weight elements a ZeRO-3 rank holds between steps: its partition of every parameter (ds_tensor)
+    and the whole of every parameter left gathered (the persistent ones; a released one has 0)."""
+    return sum(p.ds_tensor.numel() + p.numel() for p in params)
+
+
 def _worker(rank: int, world: int, out_dir: str) -> dict[str, int]:
-    """One of 4 ranks (DP 2 x CP 2); returns the elements of the weights this rank held after the step."""
+    """One of 4 ranks (DP 2 x CP 2); returns the weight elements this rank held after each step."""
     import torch.distributed as dist
 
     from workers.distributed import ParallelGroups
@@ -70,7 +76,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict[str, int]:
         run_step(engine, payloads[groups.dp_rank, groups.cp_rank], groups, device=torch.device("cpu"),
                  loss_chunk_tokens=16)
         params = list(engine.module.named_parameters())
-        held[name] = sum(p.numel() for _, p in params)  # gathered now: 0 for every partitioned weight
+        held[name] = held_elements([p for _, p in params])
         with deepspeed.zero.GatheredParameters([p for _, p in params]):  # collective
             if rank == 0:
                 grads = {n: (before[n] - p.detach()) / LR for n, p in params}
@@ -97,6 +103,81 @@ def test_one_zero3_step_equals_the_single_process_step(zero3_grads, case: str) -
         scale = ref.abs().max().item() + 1e-12  # tolerance: tests/test_train_step.py's, same reasoning
         diff = (ours[name] - ref).abs().max().item()
         assert diff <= 1e-5 * scale + 1e-9, f"{case}: {name} differs by {diff:.3g} (scale {scale:.3g})"
-    # Partitioned: between steps a rank holds only the weights under the persistence threshold whole.
-    total = sum(t.numel() for t in reference.values())
-    assert all(rank[case] < total / 10 for rank in held), held
+    # Partitioned: between steps a rank holds 1/W of every weight (rounded up) and, whole, only the weights
+    # under DeepSpeed's persistence threshold (10 x hidden = 640 elements here: norms and biases).
+    from app.model.deepspeed_config import persistence_threshold
+
+    sizes = [t.numel() for t in reference.values()]
+    bound = sum(-(-n // 4) for n in sizes) + sum(n for n in sizes if n < persistence_threshold(64))
+    assert all(rank[case] <= bound for rank in held), (held, bound, sum(sizes))
+    assert all(rank[case] < sum(sizes) / 3 for rank in held)
+
+
+def _fp32_state(engine) -> dict[str, torch.Tensor]:
+    """Every trained weight's fp32 master and Adam's exp_avg, gathered (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    state = {}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            state[name] = safe_get_full_fp32_param(p).clone()
+            state[f"{name}.exp_avg"] = safe_get_full_optimizer_state(p, "exp_avg").clone()
+    return state
+
+
+def _checkpoint_worker(rank: int, world: int, directory: str, lora_r: int, universal: bool) -> dict:
+    """W ranks: a ZeRO-3 engine (tiny-qwen2, AdamW, LoRA with lora_r > 0) saved after one step as the
+    train loop saves it (W = 2), or loaded as the train loop resumes (universal: on another world size)."""
+    from app.config import load_config
+    from app.model.deepspeed_config import deepspeed_config
+    from scheduling import DacpPlan
+    from workers.batch import build_rank_batch
+    from workers.engine import build_engine
+    from workers.models import ModelSpec
+    from workers.step import engine_loss_sum
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    spec = ModelSpec(vocab_size=128, lora_r=lora_r)
+    ds = deepspeed_config(load_config(None, ["train.lr=0.01", "train.zero_stage=3"]).train, dtype="fp32",
+                          on_gpu=False, hidden_size=64)
+    tag = "step1_universal" if universal else "step1"
+    if universal:
+        ds = {**ds, "checkpoint": {"load_universal": True}}
+    engine = build_engine(spec, ds, torch.device("cpu"), seed=0)
+    ids = [list(range(1 + rank, 40)), [7, 3, 9, 4 + rank]]
+    batch = build_rank_batch(DacpPlan(local=((0, 1),), distributed=()), ids, ids, cp_rank=0, cp_size=1)
+    if Path(directory, "step1").exists():
+        engine.load_checkpoint(directory, tag=tag, load_module_strict=not spec.frozen_base)
+    else:
+        engine.backward(engine_loss_sum(engine, batch, runtime=None, loss_chunk_tokens=16))
+        engine.step()
+        engine.save_checkpoint(directory, tag="step1", exclude_frozen_parameters=spec.frozen_base)
+    return _fp32_state(engine)
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_a_zero3_checkpoint_resumes_on_any_world_size_and_exports_exactly(tmp_path: Path,
+                                                                          lora_r: int) -> None:
+    """The train loop's save and resume (workers/train_loop.py), DeepSpeed's universal conversion for a new
+    world size (workers/tools/ds_to_universal.py) and the export's consolidation (app/model/export.py), all
+    on a ZeRO-3 checkpoint of 2 ranks: each gives back the saved fp32 weights and Adam state bit for bit."""
+    import subprocess
+    import sys
+
+    from app.model.export import consolidate
+    from workers.tools.launch import run_workers
+
+    saved = run_workers(_checkpoint_worker, 2, args=(str(tmp_path), lora_r, False), backend="gloo")[0]
+    resumed = run_workers(_checkpoint_worker, 2, args=(str(tmp_path), lora_r, False), backend="gloo")[0]
+    subprocess.run([sys.executable, "-m", "workers.tools.ds_to_universal", "--input_folder",
+                    str(tmp_path / "step1"), "--output_folder", str(tmp_path / "step1_universal"),
+                    "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
+                   check=True, capture_output=True)
+    one_rank = run_workers(_checkpoint_worker, 1, args=(str(tmp_path), lora_r, True), backend="gloo")[0]
+    for loaded in (resumed, one_rank):
+        assert set(loaded) == set(saved)
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    exported = consolidate(tmp_path, "step1", frozen_base=bool(lora_r))
+    weights = {k: v for k, v in saved.items() if not k.endswith(".exp_avg")}
+    assert set(exported) == set(weights) and all(torch.equal(exported[k], weights[k]) for k in weights)
+    assert (lora_r > 0) == all(".lora_" in k for k in exported)
