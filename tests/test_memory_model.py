@@ -162,7 +162,7 @@ def test_every_nth_layer_recomputes_those_layers_and_the_gradient_is_unchanged()
 
 
 def test_activation_offload_lowers_the_peak_device_memory_of_a_long_sequence() -> None:
-    """Tensor accounting (workers/tools/tensor_ledger.py) of one forward+backward of a 4096-token sequence:
+    """Tensor accounting (workers/tools/tensor_ledger.py) of one forward+backward of a 2048-token sequence:
     recomputation keeps each layer's input instead of its activations, offload moves those inputs to host
     memory, so the peak drops by about layers x tokens x hidden x 4 bytes (fp32) more."""
     import numpy as np
@@ -172,7 +172,7 @@ def test_activation_offload_lowers_the_peak_device_memory_of_a_long_sequence() -
     from workers.models import build_model
     from workers.tools.tensor_ledger import peak_device_bytes
 
-    tokens, layers, hidden = 4096, 4, 64
+    tokens, layers, hidden = 2048, 4, 64
     ids = [np.random.default_rng(0).integers(1, 128, tokens).tolist()]
     batch = build_rank_batch(DacpPlan(local=((0,),), distributed=()), ids, ids, cp_rank=0, cp_size=1)
     peaks = {}

@@ -48,12 +48,14 @@ def held_elements(params: list[torch.nn.Parameter]) -> int:
     return sum(p.ds_tensor.numel() + p.numel() for p in params)
 
 
-def _worker(rank: int, world: int, out_dir: str) -> dict[str, int]:
-    """One of 4 ranks (DP 2 x CP 2); returns the weight elements this rank held after each step."""
+def _worker(rank: int, world: int, out_dir: str) -> dict[str, float]:
+    """One of 4 ranks (DP 2 x CP 2); returns the eval loss before each step and the weight elements this
+    rank held after it."""
     import torch.distributed as dist
 
     from workers.distributed import ParallelGroups
     from workers.engine import import_deepspeed, prepare_for_zero
+    from workers.eval_step import eval_loss_sum
     from workers.models import build_model
     from workers.step import run_step
 
@@ -73,8 +75,12 @@ def _worker(rank: int, world: int, out_dir: str) -> dict[str, int]:
         prepare_for_zero(model, config)
         engine, *_ = deepspeed.initialize(model=model, config=config,
                                           optimizer=torch.optim.SGD(model.parameters(), lr=LR))
-        run_step(engine, payloads[groups.dp_rank, groups.cp_rank], groups, device=torch.device("cpu"),
-                 loss_chunk_tokens=16)
+        payload = payloads[groups.dp_rank, groups.cp_rank]
+        # the eval pass first (forward only, the initial weights): the loss of the global batch
+        loss = eval_loss_sum(engine, (payload,), groups, device=torch.device("cpu"), loss_chunk_tokens=16)
+        dist.all_reduce(loss)
+        held[f"{name}_eval_loss"] = float(loss) / payload.global_label_tokens
+        run_step(engine, payload, groups, device=torch.device("cpu"), loss_chunk_tokens=16)
         params = list(engine.module.named_parameters())
         held[name] = held_elements([p for _, p in params])
         with deepspeed.zero.GatheredParameters([p for _, p in params]):  # collective
@@ -111,6 +117,22 @@ def test_one_zero3_step_equals_the_single_process_step(zero3_grads, case: str) -
     bound = sum(-(-n // 4) for n in sizes) + sum(n for n in sizes if n < persistence_threshold(64))
     assert all(rank[case] <= bound for rank in held), (held, bound, sum(sizes))
     assert all(rank[case] < sum(sizes) / 3 for rank in held)
+    # the eval loss at ZeRO-3 (workers/eval_step.py, forward only) is the HF model's loss of the batch
+    assert held[0][f"{case}_eval_loss"] == pytest.approx(_reference_loss(), rel=1e-5)
+
+
+def _reference_loss() -> float:
+    """The HF model's own loss of the global batch (CE sum / label tokens), with the initial weights."""
+    from workers.models import build_model
+
+    model = build_model(**MODEL, attn_implementation="sdpa")
+    samples = [s for s in _samples() if s.num_label_tokens]
+    total = 0.0
+    for s in samples:
+        out = model(input_ids=torch.as_tensor(s.input_ids)[None], labels=torch.as_tensor(s.labels)[None],
+                    use_cache=False)
+        total += float(out.loss) * s.num_label_tokens
+    return total / sum(s.num_label_tokens for s in samples)
 
 
 def _fp32_state(engine) -> dict[str, torch.Tensor]:
