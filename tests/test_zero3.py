@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, out_dir: str) -> dict[str, float]:
     deepspeed = import_deepspeed()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     samples = _samples()
-    held = {}
+    measured: dict[str, float] = {}
     for name, plan in CASES.items():
         groups = ParallelGroups.create(2)
         plan = plan or plan_step(name, LENGTHS, dp_size=2, cp_size=2, bucket_size=40, cost=COST)
@@ -79,20 +79,20 @@ def _worker(rank: int, world: int, out_dir: str) -> dict[str, float]:
         # the eval pass first (forward only, the initial weights): the loss of the global batch
         loss = eval_loss_sum(engine, (payload,), groups, device=torch.device("cpu"), loss_chunk_tokens=16)
         dist.all_reduce(loss)
-        held[f"{name}_eval_loss"] = float(loss) / payload.global_label_tokens
+        measured[f"{name}_eval_loss"] = float(loss) / payload.global_label_tokens
         run_step(engine, payload, groups, device=torch.device("cpu"), loss_chunk_tokens=16)
         params = list(engine.module.named_parameters())
-        held[name] = held_elements([p for _, p in params])
+        measured[f"{name}_held"] = held_elements([p for _, p in params])
         with deepspeed.zero.GatheredParameters([p for _, p in params]):  # collective
             if rank == 0:
                 grads = {n: (before[n] - p.detach()) / LR for n, p in params}
                 torch.save(grads, Path(out_dir, f"{name}.pt"))
         dist.barrier()
-    return held
+    return measured
 
 
 @pytest.fixture(scope="module")
-def zero3_grads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, int]]]:
+def zero3_grads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, float]]]:
     from workers.tools.launch import run_workers
 
     out_dir = tmp_path_factory.mktemp("zero3")
@@ -101,7 +101,7 @@ def zero3_grads(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[di
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_one_zero3_step_equals_the_single_process_step(zero3_grads, case: str) -> None:
-    out_dir, held = zero3_grads
+    out_dir, measured = zero3_grads
     reference = _reference_grads()
     ours = torch.load(out_dir / f"{case}.pt")
     assert set(ours) == set(reference)
@@ -115,10 +115,10 @@ def test_one_zero3_step_equals_the_single_process_step(zero3_grads, case: str) -
 
     sizes = [t.numel() for t in reference.values()]
     bound = sum(-(-n // 4) for n in sizes) + sum(n for n in sizes if n < persistence_threshold(64))
-    assert all(rank[case] <= bound for rank in held), (held, bound, sum(sizes))
-    assert all(rank[case] < sum(sizes) / 3 for rank in held)
+    held = [rank[f"{case}_held"] for rank in measured]
+    assert all(n <= bound for n in held) and max(held) < sum(sizes) / 3, (held, bound, sum(sizes))
     # the eval loss at ZeRO-3 (workers/eval_step.py, forward only) is the HF model's loss of the batch
-    assert held[0][f"{case}_eval_loss"] == pytest.approx(_reference_loss(), rel=1e-5)
+    assert measured[0][f"{case}_eval_loss"] == pytest.approx(_reference_loss(), rel=1e-5)
 
 
 def _reference_loss() -> float:
@@ -147,9 +147,10 @@ def _fp32_state(engine) -> dict[str, torch.Tensor]:
     return state
 
 
-def _checkpoint_worker(rank: int, world: int, directory: str, lora_r: int, universal: bool) -> dict:
-    """W ranks: a ZeRO-3 engine (tiny-qwen2, AdamW, LoRA with lora_r > 0) saved after one step as the
-    train loop saves it (W = 2), or loaded as the train loop resumes (universal: on another world size)."""
+def _checkpoint_worker(rank: int, world: int, directory: str, universal: bool) -> dict[int, dict]:
+    """W ranks: per LoRA rank r in LORA_RANKS, a ZeRO-3 engine (tiny-qwen2, AdamW, LoRA adapters when
+    r > 0) saved after one step into <directory>/r<r> as the train loop saves it (W = 2), or loaded from
+    there as the train loop resumes (universal: on another world size)."""
     from app.config import load_config
     from app.model.deepspeed_config import deepspeed_config
     from scheduling import DacpPlan
@@ -159,47 +160,56 @@ def _checkpoint_worker(rank: int, world: int, directory: str, lora_r: int, unive
     from workers.step import engine_loss_sum
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    spec = ModelSpec(vocab_size=128, lora_r=lora_r)
     ds = deepspeed_config(load_config(None, ["train.lr=0.01", "train.zero_stage=3"]).train, dtype="fp32",
                           on_gpu=False, hidden_size=64)
-    tag = "step1_universal" if universal else "step1"
     if universal:
         ds = {**ds, "checkpoint": {"load_universal": True}}
-    engine = build_engine(spec, ds, torch.device("cpu"), seed=0)
     ids = [list(range(1 + rank, 40)), [7, 3, 9, 4 + rank]]
     batch = build_rank_batch(DacpPlan(local=((0, 1),), distributed=()), ids, ids, cp_rank=0, cp_size=1)
-    if Path(directory, "step1").exists():
-        engine.load_checkpoint(directory, tag=tag, load_module_strict=not spec.frozen_base)
-    else:
-        engine.backward(engine_loss_sum(engine, batch, runtime=None, loss_chunk_tokens=16))
-        engine.step()
-        engine.save_checkpoint(directory, tag="step1", exclude_frozen_parameters=spec.frozen_base)
-    return _fp32_state(engine)
+    states = {}
+    for lora_r in LORA_RANKS:
+        spec, path = ModelSpec(vocab_size=128, lora_r=lora_r), Path(directory, f"r{lora_r}")
+        engine = build_engine(spec, ds, torch.device("cpu"), seed=0)
+        if (path / "step1").exists():
+            engine.load_checkpoint(str(path), tag="step1_universal" if universal else "step1",
+                                   load_module_strict=not spec.frozen_base)
+        else:
+            engine.backward(engine_loss_sum(engine, batch, runtime=None, loss_chunk_tokens=16))
+            engine.step()
+            engine.save_checkpoint(str(path), tag="step1", exclude_frozen_parameters=spec.frozen_base)
+        states[lora_r] = _fp32_state(engine)
+    return states
 
 
-@pytest.mark.parametrize("lora_r", [0, 4])
-def test_a_zero3_checkpoint_resumes_on_any_world_size_and_exports_exactly(tmp_path: Path,
-                                                                          lora_r: int) -> None:
+LORA_RANKS = (0, 4)
+"""A full fine-tune and a LoRA one (only the adapters train, and only they are checkpointed)."""
+
+
+def test_a_zero3_checkpoint_resumes_on_any_world_size_and_exports_exactly(tmp_path: Path) -> None:
     """The train loop's save and resume (workers/train_loop.py), DeepSpeed's universal conversion for a new
     world size (workers/tools/ds_to_universal.py) and the export's consolidation (app/model/export.py), all
-    on a ZeRO-3 checkpoint of 2 ranks: each gives back the saved fp32 weights and Adam state bit for bit."""
+    on ZeRO-3 checkpoints of 2 ranks, full and LoRA: each gives back the saved fp32 weights and Adam state
+    bit for bit."""
     import subprocess
     import sys
 
     from app.model.export import consolidate
     from workers.tools.launch import run_workers
 
-    saved = run_workers(_checkpoint_worker, 2, args=(str(tmp_path), lora_r, False), backend="gloo")[0]
-    resumed = run_workers(_checkpoint_worker, 2, args=(str(tmp_path), lora_r, False), backend="gloo")[0]
-    subprocess.run([sys.executable, "-m", "workers.tools.ds_to_universal", "--input_folder",
-                    str(tmp_path / "step1"), "--output_folder", str(tmp_path / "step1_universal"),
-                    "--num_extract_workers", "1", "--num_merge_workers", "1", "--inject_missing_state"],
-                   check=True, capture_output=True)
-    one_rank = run_workers(_checkpoint_worker, 1, args=(str(tmp_path), lora_r, True), backend="gloo")[0]
-    for loaded in (resumed, one_rank):
-        assert set(loaded) == set(saved)
-        assert all(torch.equal(loaded[k], saved[k]) for k in saved)
-    exported = consolidate(tmp_path, "step1", frozen_base=bool(lora_r))
-    weights = {k: v for k, v in saved.items() if not k.endswith(".exp_avg")}
-    assert set(exported) == set(weights) and all(torch.equal(exported[k], weights[k]) for k in weights)
-    assert (lora_r > 0) == all(".lora_" in k for k in exported)
+    saved = run_workers(_checkpoint_worker, 2, args=(str(tmp_path), False), backend="gloo")[0]
+    converters = [subprocess.Popen([sys.executable, "-m", "workers.tools.ds_to_universal", "--input_folder",
+                                    str(tmp_path / f"r{r}" / "step1"), "--output_folder",
+                                    str(tmp_path / f"r{r}" / "step1_universal"), "--num_extract_workers", "1",
+                                    "--num_merge_workers", "1", "--inject_missing_state"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in LORA_RANKS]
+    resumed = run_workers(_checkpoint_worker, 2, args=(str(tmp_path), False), backend="gloo")[0]
+    assert all(converter.wait() == 0 for converter in converters)
+    one_rank = run_workers(_checkpoint_worker, 1, args=(str(tmp_path), True), backend="gloo")[0]
+    for lora_r in LORA_RANKS:
+        for loaded in (resumed[lora_r], one_rank[lora_r]):
+            assert set(loaded) == set(saved[lora_r])
+            assert all(torch.equal(loaded[k], v) for k, v in saved[lora_r].items()), lora_r
+        exported = consolidate(tmp_path / f"r{lora_r}", "step1", frozen_base=bool(lora_r))
+        weights = {k: v for k, v in saved[lora_r].items() if not k.endswith(".exp_avg")}
+        assert set(exported) == set(weights) and all(torch.equal(exported[k], weights[k]) for k in weights)
+        assert (lora_r > 0) == all(".lora_" in k for k in exported)
