@@ -184,3 +184,17 @@ def test_activation_offload_lowers_the_peak_device_memory_of_a_long_sequence() -
     inputs = layers * tokens * hidden * 4
     assert peaks["recompute"] < peaks["none"] / 2, peaks
     assert peaks["recompute"] - peaks["offload"] >= 0.75 * inputs, (peaks, inputs)
+
+
+def test_train_says_the_derived_c_in_one_line() -> None:
+    import io
+
+    from app.train.driver import _with_bucket_size
+
+    out = io.StringIO()
+    config = _with_bucket_size(load_config(GPU_7B), out)
+    assert isinstance(config.scheduling.bucket_size, int)
+    assert out.getvalue().splitlines() == [resolve_bucket_size(load_config(GPU_7B))[1].line()]
+    out = io.StringIO()
+    assert _with_bucket_size(load_config(None, []), out).scheduling.bucket_size == 26000
+    assert out.getvalue() == ""  # a set bucket_size is what the user wrote: nothing to say

@@ -79,13 +79,13 @@ class DeepSpeedConfig(TypedDict, total=False):
 
 @dataclass(frozen=True, slots=True)
 class ZeroGroups:
-    """The process groups DeepSpeed runs ZeRO-2 over, each with the run's collective timeout.
+    """The process groups DeepSpeed runs ZeRO over (stage 2 or 3), each with the run's collective timeout.
 
     Passed to `deepspeed.initialize(mpu=...)`, DeepSpeed's interface for a caller's own groups (the
     Megatron "model parallel unit"). Without it DeepSpeed reduces gradients over its own clone of the
     world group, made by `new_group` without a timeout, so a stopped peer would hang the step for torch's
     default 30 minutes instead of `train.collective_timeout_s`. Data parallel here means every rank (DP x
-    CP and spares: ZeRO-2 partitions over all of them); there is no tensor or pipeline parallelism, so the
+    CP and spares: ZeRO partitions over all of them); there is no tensor or pipeline parallelism, so the
     model-parallel group is this rank alone (DeepSpeed all-reduces norms over it unconditionally in places,
     so it must be a real group: None would mean the world).
     """
@@ -189,8 +189,9 @@ def skip_cpu_shm_comm_op() -> None:
 
 def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.device, seed: int,
                  groups: ZeroGroups | None = None, lr_schedule: LrSchedule | None = None) -> Any:
-    """The model on `device`, wrapped in a DeepSpeed engine: ZeRO-2 over `groups` (default: the world),
-    its learning rate following `lr_schedule` (workers/lr_schedule.py; None: constant)."""
+    """The model on `device`, wrapped in a DeepSpeed engine: ZeRO (ds_config's stage) over `groups`
+    (default: the world), its learning rate following `lr_schedule` (workers/lr_schedule.py; None:
+    constant)."""
     use_extensions_cache_per_environment()  # before DeepSpeed builds its ops
     deepspeed = import_deepspeed()
 
