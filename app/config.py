@@ -266,8 +266,11 @@ class ParallelConfig:
 class SchedulingConfig:
     policy: str = "skrull"
     """A policy of scheduling.POLICIES: skrull | static_cp | static_cp_packed | sorted | roundrobin | ..."""
-    bucket_size: int = 26000
-    """BucketSize C: tokens one rank may hold in a micro-batch (activation-memory budget)."""
+    bucket_size: int | Literal["auto"] = 26000
+    """BucketSize C: tokens one rank may hold in a micro-batch (activation-memory budget), or `auto`: C
+    from the device memory left by the weights, gradients and optimizer state at train.zero_stage and the
+    activation bytes per token of the checkpointing setting (hardware.profile; app/profiling/memory.py),
+    which `plan` and `train` print."""
     global_batch_size: int = field(default=64, metadata=MATH)
     """Sequences per global batch (one optimizer step), over all DP ranks."""
     static_cp_micro_batch: int = 1
@@ -302,7 +305,8 @@ class SchedulingConfig:
 
         _require(self.policy in POLICIES,
                  f"scheduling.policy={self.policy!r} is not one of: {', '.join(POLICIES)}")
-        _require(self.bucket_size >= 1, "scheduling.bucket_size must be >= 1 token")
+        _require(self.bucket_size == "auto" or self.bucket_size >= 1,
+                 "scheduling.bucket_size must be >= 1 token (or auto: from memory)")
         _require(self.global_batch_size >= 1, "scheduling.global_batch_size must be >= 1")
         _require(self.static_cp_micro_batch >= 1, "scheduling.static_cp_micro_batch must be >= 1")
         _require(self.prefetch >= 1, "scheduling.prefetch must be >= 1")
@@ -351,10 +355,19 @@ class TrainConfig:
     grad_clip: float = field(default=1.0, metadata=MATH)
     seed: int = field(default=0, metadata=MATH)
     zero_stage: int = field(default=2, metadata=MATH)
-    """DeepSpeed ZeRO stage (the product is built and tested for 2). Stage 0 is refused: only ZeRO's
+    """DeepSpeed ZeRO stage: 2 partitions gradients and optimizer state over all DP x CP ranks, 3 the
+    weights too (gathered per layer in its forward and backward: for models whose weights do not fit one
+    device, at the cost of the gathers), 1 the optimizer state only. Stage 0 is refused: only ZeRO's
     optimizer checks the gradient norm for inf/NaN before it applies an update (`nonfinite` relies on it)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory per token, ~1/3 more compute."""
+    activation_checkpointing_every: int = 1
+    """With activation_checkpointing: recompute only every n-th decoder layer (transformers'
+    `every_n_layers`); the others keep their activations: between full recompute (1) and none."""
+    activation_offload: bool = False
+    """With activation_checkpointing on GPUs: hold each recomputed layer's saved input in host memory
+    instead of on the device (transformers' `offload`): frees layers x tokens x hidden x 2 bytes of GPU
+    memory per rank for a host copy in forward and a copy back in backward."""
     loss_chunk_tokens: int = 4096
     """Cross-entropy is computed this many tokens at a time, so full logits never exist."""
     checkpoint_every: int = 0
@@ -404,9 +417,17 @@ class TrainConfig:
             value = getattr(self, name)
             _require(isinstance(value, str) and value == value.strip() and "/" not in value,
                      f"train.{name} must be a name without '/' or surrounding spaces, got {value!r}")
-        _require(self.zero_stage in (1, 2), "train.zero_stage must be 1 or 2 (built and tested: 2; stage 0 "
-                 "applies inf/NaN gradients, the non-finite guard needs ZeRO's overflow check)")
+        _require(self.zero_stage in (1, 2, 3), "train.zero_stage must be 1, 2 or 3 (stage 0 applies inf/NaN "
+                 "gradients, the non-finite guard needs ZeRO's overflow check)")
         _require(self.loss_chunk_tokens >= 1, "train.loss_chunk_tokens must be >= 1")
+        _require(self.activation_checkpointing_every >= 1,
+                 f"train.activation_checkpointing_every must be >= 1 (1: every layer), got "
+                 f"{self.activation_checkpointing_every}")
+        for name, changed in (("activation_checkpointing_every", self.activation_checkpointing_every != 1),
+                              ("activation_offload", self.activation_offload)):
+            _require(self.activation_checkpointing or not changed,
+                     f"train.{name} applies to recomputed layers: set train.activation_checkpointing=true "
+                     f"(or leave train.{name} at its default)")
         _require(self.log_every >= 1, "train.log_every must be >= 1")
         _require(self.max_failures >= -1, "train.max_failures must be >= 0 (or -1: no limit)")
         _require(self.collective_timeout_s > 0, "train.collective_timeout_s must be > 0 seconds")
@@ -489,6 +510,11 @@ class SkrullConfig:
         _require(backend == "auto" or (backend == "torch") != on_gpu,
                  f"model.attention_backend={backend} runs on {'CPU' if backend == 'torch' else 'CUDA'} only, "
                  f"but resources.gpus_per_worker={self.resources.gpus_per_worker:g}: use auto or change one")
+        # transformers offloads into pinned host memory, which a CPU-only torch refuses; on CPU the
+        # activations are in host memory already.
+        _require(on_gpu or not self.train.activation_offload,
+                 "train.activation_offload moves recomputed layers' inputs from the GPU to host memory; CPU "
+                 "workers hold them in host memory already: set it false (or resources.gpus_per_worker=1)")
         # On CUDA every backend is a flash kernel (flash-attn or torch's), and both take only bf16/fp16:
         # caught here, not at the first attention call after the model and engine are built.
         _require(not on_gpu or self.model.dtype == "bf16",
@@ -505,7 +531,13 @@ class SkrullConfig:
 
     @property
     def max_sequence_length(self) -> int:
-        """The longest sequence a run accepts: data.max_length, capped by what fits one CP group (C * N)."""
+        """The longest sequence a run accepts: data.max_length, capped by what fits one CP group (C * N).
+
+        scheduling.bucket_size=auto must have been derived first (app/profiling/memory.py
+        resolve_bucket_size: the commands and `train` do it)."""
+        if self.scheduling.bucket_size == "auto":
+            raise ConfigError("scheduling.bucket_size=auto is derived from memory before the run's longest "
+                              "sequence is known (app/profiling/memory.py resolve_bucket_size)")
         hard = self.scheduling.bucket_size * self.parallel.cp_size
         return min(self.data.max_length, hard) if self.data.max_length else hard
 

@@ -122,7 +122,11 @@ class HardwareProfile:
     """Ring traffic of forward+backward in units of the forward K/V traffic (fwd K,V; bwd K,V + dK,dV)."""
     device_memory_bytes: float = 80e9
     activation_bytes_per_hidden: float = 34.0
-    """Activation bytes per token per layer per hidden unit (34 with selective recompute, bf16)."""
+    """Activation bytes per token per layer per hidden unit, nothing recomputed (34: Korthikanti et al.'s
+    count with selective recompute, bf16); app/profiling/memory.py."""
+    checkpoint_bytes_per_hidden: float = 2.0
+    """Bytes per token per hidden unit a recomputed (checkpointed) layer keeps on the device: its input (2:
+    bf16); app/profiling/memory.py."""
     ring_overlap: float = 1.0
     """Share of min(ring time, local compute) the ring's transfers hide behind local compute: 1 = fully
     (DACP's premise, separate CUDA streams), 0 = serialized (measured by `python -m app profile`)."""

@@ -63,10 +63,10 @@ def test_broken_variants_are_rejected(cluster: dict[str, Any], edit) -> None:
 
 
 @pytest.mark.parametrize(("path", "model", "bucket"), [
-    ("configs/qwen2.5-0.5b-gpu.yaml", "Qwen/Qwen2.5-0.5B", 26000),
-    ("configs/qwen2.5-7b-gpu.yaml", "Qwen/Qwen2.5-7B", 13000),
+    ("configs/qwen2.5-0.5b-gpu.yaml", "Qwen/Qwen2.5-0.5B", "auto"),
+    ("configs/qwen2.5-7b-gpu.yaml", "Qwen/Qwen2.5-7B", "auto"),
 ])
-def test_gpu_configs_load(path: str, model: str, bucket: int) -> None:
+def test_gpu_configs_load(path: str, model: str, bucket: int | str) -> None:
     cfg = load_config(REPO_ROOT / path)
     assert cfg.model.name_or_path == model and cfg.model.dtype == "bf16"
     assert cfg.parallel.cp_size == 8 and cfg.parallel.worker_range == (8, 32)  # elastic: 1-4 nodes of 8
@@ -77,10 +77,10 @@ def test_gpu_configs_load(path: str, model: str, bucket: int) -> None:
 
 
 @pytest.mark.parametrize(("path", "model", "bucket"), [
-    ("configs/qwen2.5-0.5b-gpu-1node.yaml", "Qwen/Qwen2.5-0.5B", 26000),
-    ("configs/qwen2.5-7b-gpu-1node.yaml", "Qwen/Qwen2.5-7B", 13000),
+    ("configs/qwen2.5-0.5b-gpu-1node.yaml", "Qwen/Qwen2.5-0.5B", "auto"),
+    ("configs/qwen2.5-7b-gpu-1node.yaml", "Qwen/Qwen2.5-7B", "auto"),
 ])
-def test_single_node_gpu_configs_load(path: str, model: str, bucket: int) -> None:
+def test_single_node_gpu_configs_load(path: str, model: str, bucket: int | str) -> None:
     """One node of 8 GPUs: DP 1 x CP 8, bf16, PyTorch's flash kernel (no flash-attn build), and paths that
     do not resolve inside `ray job submit --working-dir`'s temporary copy of the checkout."""
     cfg = load_config(REPO_ROOT / path)

@@ -46,7 +46,7 @@ def test_config_choices_of_the_guard() -> None:
     with pytest.raises(ConfigError, match="train.max_skipped_steps"):
         load_config(None, ["train.max_skipped_steps=0"])
     # ZeRO stage 0 applies inf/NaN gradients (no overflow check): the guard could not hold.
-    with pytest.raises(ConfigError, match="train.zero_stage must be 1 or 2"):
+    with pytest.raises(ConfigError, match="train.zero_stage must be 1, 2 or 3"):
         load_config(None, ["train.zero_stage=0"])
 
 

@@ -21,7 +21,8 @@ from tests.run_configs import SMALL_VOCAB
 TRUTH = {"mfu": 0.2, "micro_batch_launch_s": 0.004, "intra_node_latency_s": 1e-4,
          "intra_node_comm_offset_s": 2e-5, "intra_node_bandwidth": 2e9, "ring_overlap": 0.6,
          "grad_reduce_bandwidth": 1e9,
-         "optimizer_s_per_param": 2e-8, "activation_bytes_per_hidden": 300.0}
+         "optimizer_s_per_param": 2e-8, "activation_bytes_per_hidden": 300.0,
+         "checkpoint_bytes_per_hidden": 6.0}
 TINY = ["scheduling.cost_formula=model", "model.vocab_size=773", SMALL_VOCAB]
 """A 773-word model with its 773-word tokenizer (`plan` refuses a tokenizer whose ids the model cannot
 embed)."""
@@ -35,6 +36,8 @@ def _raw(config) -> dict:
     reduce_bytes = params * 4
     reduce_s = 2 * (world - 1) / world * reduce_bytes / TRUTH["grad_reduce_bandwidth"]
     per_token = TRUTH["activation_bytes_per_hidden"] * cost.num_layers * cost.hidden_size
+    recomputed = (TRUTH["checkpoint_bytes_per_hidden"] * cost.num_layers
+                  + TRUTH["activation_bytes_per_hidden"]) * cost.hidden_size
     compute = []
     for lengths, fraction in compute_cases(512):
         labels = [max(1, round(n * fraction)) - 1 for n in lengths]
@@ -51,6 +54,9 @@ def _raw(config) -> dict:
         "reduce": {"params": params, "bytes": reduce_bytes, "seconds_median": reduce_s},
         "optimizer": {"params": params, "seconds_median": TRUTH["optimizer_s_per_param"] * params / world},
         "memory": [{"tokens": t, "peak_bytes": 1e6 + t * per_token} for t in (64, 128, 256, 512)],
+        # every layer recomputed: each keeps its input, one layer's activations live at a time
+        "memory_checkpointed": [{"tokens": t, "peak_bytes": 2e6 + t * recomputed}
+                                for t in (64, 128, 256, 512)],
     }
 
 
@@ -117,8 +123,10 @@ def test_profile_measures_this_machine_and_writes_a_loadable_profile(tmp_path: P
     assert main(["profile", "--config", "configs/tiny-cpu.yaml", *sets, "--max-tokens", "1024",
                  "--repeats", "1", "--steps", "1", "--out", str(out), "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result["residuals"]) == {"compute", "ring", "memory", "step"}
+    # memory per checkpointing setting: nothing and every layer recomputed (offload on CUDA only)
+    assert set(result["residuals"]) == {"compute", "ring", "memory", "memory_checkpointed", "step"}
     raw = result["raw"]
+    assert result["profile"]["checkpoint_bytes_per_hidden"] > 0 and len(raw["memory_checkpointed"]) == 4
     assert len(raw["steps"]) == len(STEP_POLICIES) and min(raw["steps"]) > 0
     assert raw["step_fit"]["scale"] > 0
     sizes = [row["bytes"] for row in raw["ring"]]

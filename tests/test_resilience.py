@@ -325,6 +325,28 @@ def test_a_hung_peer_is_recovered_from_the_newest_checkpoint(reference, chats, t
     assert injector.recovered_after_s[-1] < HUNG_TIMEOUT_S + 90, injector.recovered_after_s
 
 
+def test_a_zero3_run_equals_the_zero2_run_and_resumes_exactly_after_a_killed_worker(reference, chats,
+                                                                                   tmp_path: Path) -> None:
+    """The reference's first 6 steps at train.zero_stage=3 (the weights partitioned over both ranks,
+    gathered per layer), one worker SIGKILLed after step 3: Ray Train restarts the group from step 3's
+    ZeRO-3 checkpoint. The losses equal the ZeRO-2 reference's within 1e-5 relative (the same fp32 sums,
+    reduced in another order), and the run exports as a ZeRO-2 run does (app/model/export.py)."""
+    from app.model.export import export
+
+    steps = 6
+    faults = [(3, _signal_a_worker(signal.SIGKILL, set()))]
+    summary, _ = _train_with_faults(tmp_path, "zero3", faults, *chats, f"train.steps={steps}",
+                                    "train.max_failures=1", "train.zero_stage=3")
+    assert summary.restarts == 1 and summary.resumed_from_step is None
+    assert [h["step"] for h in summary.history] == list(range(1, steps + 1))
+    assert summary.losses == pytest.approx(reference[:steps], rel=1e-5)
+    assert _lrs(summary) == pytest.approx(WARMUP_LRS[:steps], rel=1e-6)
+    _assert_samples_exact(summary.run_dir, steps)
+    exported = export(summary.run_dir, str(tmp_path / "exported"))
+    assert (exported.kind, exported.step) == ("model", steps)
+    assert Path(exported.out, "model.safetensors").stat().st_size > 0
+
+
 CTRL_C_DECAY = ("train.lr_scheduler=cosine", "train.min_lr_ratio=0.1")
 """The Ctrl-C run decays its rate after the warmup: its resume must continue the same curve."""
 

@@ -17,6 +17,7 @@ from typing import Any, TypedDict
 import torch
 import torch.distributed as dist
 
+from workers.loss import LOSS_HEAD
 from workers.lr_schedule import LrSchedule, scheduler_factory
 from workers.models import ModelSpec
 
@@ -38,13 +39,22 @@ class OptimizerSection(TypedDict):
     params: AdamWParams
 
 
-class ZeroSection(TypedDict):
+class _ZeroRequired(TypedDict):
     stage: int
     overlap_comm: bool
     contiguous_gradients: bool
     reduce_scatter: bool
     reduce_bucket_size: float
     allgather_bucket_size: float
+
+
+class ZeroSection(_ZeroRequired, total=False):
+    """Stage 3 only: DeepSpeed's parameter-partitioning knobs (app/model/deepspeed_config.py)."""
+
+    stage3_prefetch_bucket_size: float
+    stage3_param_persistence_threshold: float
+    stage3_max_live_parameters: float
+    stage3_max_reuse_distance: float
 
 
 class EnabledFlag(TypedDict):
@@ -69,13 +79,13 @@ class DeepSpeedConfig(TypedDict, total=False):
 
 @dataclass(frozen=True, slots=True)
 class ZeroGroups:
-    """The process groups DeepSpeed runs ZeRO-2 over, each with the run's collective timeout.
+    """The process groups DeepSpeed runs ZeRO over (stage 2 or 3), each with the run's collective timeout.
 
     Passed to `deepspeed.initialize(mpu=...)`, DeepSpeed's interface for a caller's own groups (the
     Megatron "model parallel unit"). Without it DeepSpeed reduces gradients over its own clone of the
     world group, made by `new_group` without a timeout, so a stopped peer would hang the step for torch's
     default 30 minutes instead of `train.collective_timeout_s`. Data parallel here means every rank (DP x
-    CP and spares: ZeRO-2 partitions over all of them); there is no tensor or pipeline parallelism, so the
+    CP and spares: ZeRO partitions over all of them); there is no tensor or pipeline parallelism, so the
     model-parallel group is this rank alone (DeepSpeed all-reduces norms over it unconditionally in places,
     so it must be a real group: None would mean the world).
     """
@@ -179,15 +189,29 @@ def skip_cpu_shm_comm_op() -> None:
 
 def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.device, seed: int,
                  groups: ZeroGroups | None = None, lr_schedule: LrSchedule | None = None) -> Any:
-    """The model on `device`, wrapped in a DeepSpeed engine: ZeRO-2 over `groups` (default: the world),
-    its learning rate following `lr_schedule` (workers/lr_schedule.py; None: constant)."""
+    """The model on `device`, wrapped in a DeepSpeed engine: ZeRO (ds_config's stage) over `groups`
+    (default: the world), its learning rate following `lr_schedule` (workers/lr_schedule.py; None:
+    constant)."""
     use_extensions_cache_per_environment()  # before DeepSpeed builds its ops
     deepspeed = import_deepspeed()
 
     torch.manual_seed(seed)  # identical initial weights on every rank for random-init models
     model = spec.build().to(device)
     model.train()  # from_pretrained returns eval mode, which would also silently skip activation recompute
+    prepare_for_zero(model, ds_config)
     engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config), mpu=groups,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       lr_scheduler=scheduler_factory(lr_schedule or LrSchedule()))
     return engine
+
+
+def prepare_for_zero(model: torch.nn.Module, ds_config: DeepSpeedConfig) -> None:
+    """Before `deepspeed.initialize`: at ZeRO stage 3, register the LM head's parameters as external
+    parameters of the model's LossHead (workers/loss.py), DeepSpeed's interface for a parameter used
+    outside its own module's forward, so that the loss's forward and backward find it gathered."""
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return
+    deepspeed = import_deepspeed()
+    head = getattr(model, LOSS_HEAD)
+    for param in head.head.parameters():
+        deepspeed.zero.register_external_parameter(head, param)

@@ -4,7 +4,7 @@
     every train.eval_every steps and after the last:
         payloads = ray.get(ref)          (from the object store; no copy is kept between evals)
         with torch.no_grad(): for every eval batch, for every micro-batch:
-            loss_sum += micro_batch_loss_sum(model, this rank's stream)   (DACP attention, CP ring)
+            loss_sum += engine_loss_sum(engine, this rank's stream)   (DACP attention, CP ring)
         all_reduce(loss_sum) over the world group
         eval_loss = loss_sum / sum over eval batches of global_label_tokens
 
@@ -12,8 +12,9 @@ That is the training loss normalization (workers/step.py) over the whole eval se
 eval label token divided by their count, independent of the DP x CP shape and the plan. The micro-batches
 run in plan order on every CP rank of a group, so the ring's transfers pair up as in training; a rank
 without a token in a micro-batch runs the one-token idle batch (no target), as a training step does, so
-every rank of the CP group makes the same attention calls. A spare rank computes only idle batches and
-adds 0 to the all_reduce. The model is put in eval mode (dropout off) for the pass and restored after.
+every rank of the CP group makes the same attention calls (and, at ZeRO-3, the same weight gathers). A spare
+rank computes only idle batches and adds 0 to the all_reduce. The model is put in eval mode (dropout off)
+for the pass and restored after.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ import torch.distributed as dist
 from scheduling.payload import RankPayload
 from workers.batch import build_rank_batch
 from workers.distributed import ParallelGroups
-from workers.forward import micro_batch_loss_sum
-from workers.step import idle_batch
+from workers.step import engine_loss_sum, idle_batch
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -61,18 +61,19 @@ class EvalSet:
         import ray
 
         payloads: tuple[RankPayload, ...] = ray.get(self.ref)
-        loss_sum = eval_loss_sum(engine.module, payloads, groups, device=device,
-                                 loss_chunk_tokens=loss_chunk_tokens)
+        loss_sum = eval_loss_sum(engine, payloads, groups, device=device, loss_chunk_tokens=loss_chunk_tokens)
         dist.all_reduce(loss_sum, group=groups.world_group)
         label_tokens = sum(payload.global_label_tokens for payload in payloads)
         return float(loss_sum.item()) / max(label_tokens, 1)
 
 
-def eval_loss_sum(model: torch.nn.Module, payloads: tuple[RankPayload, ...], groups: ParallelGroups, *,
+def eval_loss_sum(engine: Any, payloads: tuple[RankPayload, ...], groups: ParallelGroups, *,
                   device: torch.device, loss_chunk_tokens: int) -> torch.Tensor:
-    """This rank's fp32 CE sum over its eval tokens, forward only, in eval mode."""
+    """This rank's fp32 CE sum over its eval tokens, forward only (through the engine, as a training
+    micro-batch: workers/step.py engine_loss_sum), in eval mode."""
     cp_rank, cp_size = (0, 1) if groups.is_spare else (groups.cp_rank, groups.cp_size)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    model = engine.module
     was_training = model.training
     model.eval()
     try:
@@ -83,8 +84,8 @@ def eval_loss_sum(model: torch.nn.Module, payloads: tuple[RankPayload, ...], gro
                                              cp_rank=cp_rank, cp_size=cp_size)
                     if batch.num_tokens == 0:
                         batch = idle_batch(cp_rank, cp_size)
-                    loss_sum += micro_batch_loss_sum(model, batch.to(device), runtime=groups.attention,
-                                                     loss_chunk_tokens=loss_chunk_tokens).float()
+                    loss_sum += engine_loss_sum(engine, batch.to(device), runtime=groups.attention,
+                                                loss_chunk_tokens=loss_chunk_tokens).float()
     finally:
         model.train(was_training)
     return loss_sum

@@ -14,7 +14,7 @@ import torch
 
 from workers.attention.runtime import AttentionRuntime
 from workers.batch import RankBatch
-from workers.loss import linear_cross_entropy_sum
+from workers.loss import LOSS_HEAD, linear_cross_entropy_sum
 
 
 def micro_batch_loss_sum(
@@ -30,11 +30,16 @@ def micro_batch_loss_sum(
     device = model.get_input_embeddings().weight.device
     batch = batch.to(device)
     if batch.num_tokens == 0:
-        # Keep the autograd graph connected to the parameters so a backward is still well defined.
+        # Keep the autograd graph connected to the parameters so a backward is still well defined. Training
+        # and eval never come here (they run the one-token idle batch, workers/step.py): this runs no module,
+        # which ZeRO-3's per-module weight gathers would need on every rank alike.
         return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
     decoder = model.get_decoder()
     outputs = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                       use_cache=False, dacp_index=batch.index, dacp_runtime=runtime)
     hidden_TE = outputs.last_hidden_state[0]
+    head = getattr(model, LOSS_HEAD, None)
+    if head is not None:  # a model of workers/models.py: the loss runs as its module (ZeRO-3 gathers for it)
+        return head(hidden_TE, batch.targets, batch.label_rows, loss_chunk_tokens)
     return linear_cross_entropy_sum(hidden_TE, model.get_output_embeddings(), batch.targets,
                                     loss_chunk_tokens, label_rows=batch.label_rows)

@@ -18,6 +18,9 @@ import torch
 
 from scheduling.payload import IGNORE_INDEX
 
+LOSS_HEAD = "skrull_loss_head"
+"""Attribute of a model built by workers/models.py that holds its LossHead."""
+
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
@@ -71,3 +74,27 @@ def linear_cross_entropy_sum(
     if label_rows is None:
         label_rows = torch.nonzero(targets_T != IGNORE_INDEX).flatten()
     return _ChunkedLinearCE.apply(hidden_TE, head.weight, head.bias, targets_T, label_rows, chunk_tokens)
+
+
+class LossHead(torch.nn.Module):
+    """`linear_cross_entropy_sum` over the model's output embedding, as a module of the model's own tree.
+
+    The loss reads the LM head's weight outside the head's forward (it never builds all logits), which a
+    ZeRO-3 engine cannot see: it gathers a partitioned weight in the pre-forward hook of a module that
+    uses it. Called as a module attached to the model (workers/models.py `attach_loss_head`), with the head's
+    parameters registered as its external parameters (workers/engine.py), the weight is gathered for the
+    loss's forward and again for its backward, and released after each, on every ZeRO stage alike. The
+    head is held outside the module tree (no second copy of its parameters in the state dict).
+    """
+
+    def __init__(self, head: torch.nn.Linear) -> None:
+        super().__init__()
+        self._head = (head,)  # a tuple: not registered as a child module
+
+    @property
+    def head(self) -> torch.nn.Linear:
+        return self._head[0]
+
+    def forward(self, hidden_TE: torch.Tensor, targets_T: torch.Tensor, label_rows: torch.Tensor,
+                chunk_tokens: int) -> torch.Tensor:
+        return linear_cross_entropy_sum(hidden_TE, self.head, targets_T, chunk_tokens, label_rows=label_rows)

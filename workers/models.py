@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.attention import register_dacp_attention
+from workers.loss import LOSS_HEAD, LossHead
 from workers.presets import TINY_DEFAULTS, is_tiny_preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -38,6 +39,10 @@ class ModelSpec:
     intermediate_size: int = 0
     seed: int = 0
     activation_checkpointing: bool = False
+    activation_checkpointing_every: int = 1
+    """train.activation_checkpointing_every: recompute every n-th decoder layer (enable_checkpointing)."""
+    activation_offload: bool = False
+    """train.activation_offload: recomputed layers' inputs held in host memory (enable_checkpointing)."""
     attention_backend: str = "auto"
     """Varlen kernel of the DACP attention (resolved once per worker, see workers/attention/runtime.py)."""
     lora_r: int = 0
@@ -81,7 +86,8 @@ def build_model(
     name_or_path: str = "tiny-qwen2", *, random_init: bool = False, dtype: str = "fp32", vocab_size: int = 0,
     num_attention_heads: int = 0, num_key_value_heads: int = 0, hidden_size: int = 0, num_layers: int = 0,
     intermediate_size: int = 0, seed: int = 0, attn_implementation: str | None = None,
-    activation_checkpointing: bool = False, lora_r: int = 0, lora_alpha: float = 16.0,
+    activation_checkpointing: bool = False, activation_checkpointing_every: int = 1,
+    activation_offload: bool = False, lora_r: int = 0, lora_alpha: float = 16.0,
     lora_dropout: float = 0.0, lora_target_modules: str | tuple[str, ...] = "all-linear",
 ):
     """A transformers PreTrainedModel using the "dacp" attention (or `attn_implementation`), use_cache off.
@@ -90,7 +96,8 @@ def build_model(
     apply to them only, except vocab_size, which also resizes a random-init hub config.
     `activation_checkpointing` recomputes each decoder layer in backward (transformers' gradient
     checkpointing, non-reentrant so the DACP layout keyword arguments pass through): the recompute re-runs
-    the ring, which is safe because every CP rank recomputes the same layers in the same order.
+    the ring, which is safe because every CP rank recomputes the same layers in the same order;
+    `activation_checkpointing_every` and `activation_offload` are enable_checkpointing's.
     `lora_r` > 0 injects LoRA adapters after the weights are built (apply_lora).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -126,8 +133,58 @@ def build_model(
     if lora_r:
         model = apply_lora(model, lora_config(lora_r, lora_alpha, lora_dropout, lora_target_modules))
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model, every_n_layers=activation_checkpointing_every, offload=activation_offload)
+    attach_loss_head(model)
     return model
+
+
+CHECKPOINTING_OPTIONS = {"every_n_layers": "train.activation_checkpointing_every",
+                         "offload": "train.activation_offload"}
+"""transformers' activation_checkpointing_enable options and the config knob that sets each."""
+
+
+def checkpointing_problem(*, every_n_layers: int, offload: bool) -> str | None:
+    """Why the installed transformers cannot checkpoint as asked (naming the knobs), or None.
+
+    transformers' activation_checkpointing_enable (>= 5.17) takes `every_n_layers` and `offload`; older
+    versions have only the all-layers, on-device form."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
+    params = inspect.signature(enable).parameters if enable is not None else {}
+    asked = {"every_n_layers": every_n_layers != 1, "offload": offload}
+    lacking = [knob for option, knob in CHECKPOINTING_OPTIONS.items()
+               if asked[option] and option not in params]
+    if not lacking:
+        return None
+    return (f"{', '.join(lacking)} need transformers >= 5.17 (activation_checkpointing_enable with "
+            "every_n_layers and offload); upgrade it, or leave them at their defaults")
+
+
+def enable_checkpointing(model, *, every_n_layers: int = 1, offload: bool = False) -> None:
+    """transformers' activation checkpointing, non-reentrant (the DACP layout keyword arguments pass
+    through), of every `every_n_layers`-th decoder layer, its saved inputs in host memory with `offload`
+    (torch's save_on_cpu around each recomputed layer). Without those options in the installed
+    transformers only the plain form exists: asking for more is a ValueError naming the knob."""
+    kwargs = {"use_reentrant": False}
+    problem = checkpointing_problem(every_n_layers=every_n_layers, offload=offload)
+    if problem:
+        raise ValueError(problem)
+    if not hasattr(model, "activation_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
+                                          every_n_layers=every_n_layers, offload=offload)
+
+
+def attach_loss_head(model: torch.nn.Module) -> LossHead:
+    """Give `model` its chunked loss as a submodule (workers/loss.py LossHead: what ZeRO-3 needs to gather
+    the LM head's weight for it); it holds no parameter, so state dicts and exports are unchanged."""
+    head = LossHead(model.get_output_embeddings())
+    setattr(model, LOSS_HEAD, head)
+    return head
 
 
 def lora_config(r: int, alpha: float, dropout: float, target_modules: str | tuple[str, ...]):

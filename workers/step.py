@@ -9,11 +9,20 @@ DeepSpeed *averages* gradients over its data-parallel group, which is all W = DP
 replicas holding different tokens; spare ranks count too), so each rank back-propagates l_k * W / G: the
 mean over W ranks then equals the sum, never divided per micro-batch, per rank or by accumulation steps.
 
-Equal backward passes. ZeRO-2 reduces gradients inside every backward, so every rank must run the same
-number of backwards in the same parameter order. The plan gives every DP rank the same micro-batch count;
-a CP rank with no token in a micro-batch (all sequences local to its peers) runs an *idle* micro-batch: one
-pad token with no target, whose loss is 0 but whose graph touches every parameter like a real one. A spare
-rank (workers/distributed.py) runs only idle micro-batches, as many as the trained ranks run.
+Equal module sequences. ZeRO-2 reduces gradients inside every backward, so every rank must run the same
+number of backwards in the same parameter order; ZeRO-3 also gathers each module's partitioned weights
+in that module's forward and backward (collectives over all ranks), so every rank must run the same
+module forwards and backwards in the same order. The plan gives every DP rank the same micro-batch count
+(StepPlan refuses unequal counts) and every CP rank of a DP rank the same micro-batches; each micro-batch
+is one forward of the whole decoder and the loss head (workers/loss.py LossHead) and one backward, with
+activation recomputation, if on, inside it on every rank alike. A CP rank with no token in a micro-batch
+(all sequences local to its peers) runs an *idle* micro-batch: one pad token with no target, whose loss
+is 0 but which runs every module forward and backward like a real one. A spare rank
+(workers/distributed.py) runs only idle micro-batches, as many as the trained ranks run.
+
+Each micro-batch's forward goes through DeepSpeed's `engine(...)` (`engine_loss_sum`): ZeRO-3 counts its
+micro-steps there (the first backward of a step stores the reduced gradient partition, the later ones add
+to it; skipped, every micro-batch's gradient replaced the one before) and resets its gradient-hook counts.
 
 Non-finite guard (workers/nonfinite.py): each micro-batch's backward loss is multiplied by 1, or by NaN when
 that loss is inf/NaN, so a bad loss always yields a non-finite gradient norm, which DeepSpeed's ZeRO step
@@ -25,6 +34,7 @@ of the step, not of its kernel launches); the loss stays a device tensor until t
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -33,6 +43,7 @@ import torch
 
 from scheduling import DacpPlan
 from scheduling.payload import IGNORE_INDEX, RankPayload
+from workers.attention.runtime import AttentionRuntime
 from workers.batch import RankBatch, build_rank_batch
 from workers.distributed import ParallelGroups
 from workers.forward import micro_batch_loss_sum
@@ -59,6 +70,22 @@ def idle_batch(cp_rank: int, cp_size: int, pad_id: int = 0) -> RankBatch:
     ids = [np.array([pad_id], dtype=np.int64)]
     labels = [np.array([IGNORE_INDEX], dtype=np.int64)]
     return build_rank_batch(plan, ids, labels, cp_rank=cp_rank, cp_size=cp_size)
+
+
+def engine_loss_sum(engine: object, batch: RankBatch, *, runtime: AttentionRuntime | None,
+                    loss_chunk_tokens: int) -> torch.Tensor:
+    """`micro_batch_loss_sum` of engine.module, run by DeepSpeed's `engine.forward`.
+
+    engine.forward does ZeRO's per-forward bookkeeping (the module docstring) and then calls
+    `engine.module(...)`, the HF model, whose own forward would build logits for every token; for this one
+    call the module's forward is the packed-stream loss (chunked, workers/loss.py) instead.
+    """
+    module = engine.module
+    module.forward = functools.partial(micro_batch_loss_sum, module)
+    try:
+        return engine(batch, runtime=runtime, loss_chunk_tokens=loss_chunk_tokens)
+    finally:
+        del module.forward  # the class's forward again
 
 
 def synchronize(device: torch.device) -> None:
@@ -89,8 +116,8 @@ def run_step(
             batch = idle_batch(cp_rank, cp_size)
         batch = batch.to(device)
         engine.set_gradient_accumulation_boundary(index == count - 1)
-        micro_loss = micro_batch_loss_sum(engine.module, batch, runtime=groups.attention,
-                                          loss_chunk_tokens=loss_chunk_tokens)
+        micro_loss = engine_loss_sum(engine, batch, runtime=groups.attention,
+                                     loss_chunk_tokens=loss_chunk_tokens)
         engine.backward(micro_loss * scale * nan_if_nonfinite(micro_loss), scale_wrt_gas=False)
         loss_sum += micro_loss.detach().float()
         laps.mark()

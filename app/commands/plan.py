@@ -1,5 +1,7 @@
-"""`python -m app plan`: a dry run of every scheduling policy on sampled global batches (modeled times), and
-the configured CP degrees (scheduling.cp_degrees) against [1, N] and dynamic_cp."""
+"""`python -m app plan`: a dry run of every scheduling policy on sampled global batches (modeled times), the
+configured CP degrees (scheduling.cp_degrees) against [1, N] and dynamic_cp, the BucketSize C (derived from
+memory with scheduling.bucket_size=auto) and the memory per rank at ZeRO-2 and ZeRO-3 (modeled:
+app/profiling/memory.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.model.support import check_model_support
     from app.profiling.hardware import cost_model
+    from app.profiling.memory import format_memory_table, memory_table, resolve_bucket_size
     from app.profiling.plan_report import degree_line, format_table, plan_dry_run, plot_ranks
 
-    config = config_from_args(args)
+    config, budget = resolve_bucket_size(config_from_args(args, derive_bucket_size=False))
     check_model_support(config)  # a model the DACP attention cannot run, a vocabulary it cannot embed: exit 2
     cost = cost_model(config)
     runs, summary, too_long, read, degrees = plan_dry_run(config, cost)
@@ -31,8 +34,12 @@ def run(args: argparse.Namespace) -> int:
         # "policies" first and unchanged: scripts read it; "too_long" says what data.too_long changed,
         # "data" what the rows read were (by row format, malformed by reason), "cp_degrees" the configured
         # CP degrees against [1, N] and dynamic_cp (app/profiling/plan_report.py degree_summary)
+        # "bucket_size" the C planned with, "bucket_size_source" config | memory (bucket_size=auto),
+        # "memory" the modeled bytes per rank at ZeRO-2 and ZeRO-3, without and with activation offload
         print(json.dumps({"policies": summary, "too_long": too_long.as_json(), "data": read,
-                          "cp_degrees": degrees}))
+                          "cp_degrees": degrees, "bucket_size": budget.tokens,
+                          "bucket_size_source": budget.source,
+                          "memory": {k: t.as_json() for k, t in memory_table(config).items()}}))
         return 0
     par, sched = config.parallel, config.scheduling
     batches = len(runs["skrull"].estimates)
@@ -41,10 +48,14 @@ def run(args: argparse.Namespace) -> int:
           f"hardware={cost.profile.name}, per-micro-batch cost b="
           f"{cost.micro_batch_overhead_s(par.dp_size * par.cp_size) * 1e3:.1f} ms "
           "(modeled times, not measurements)")
+    print(budget.line())
     if too_long.line():
         print(too_long.line())
     print(format_table(summary))
     print(degree_line(degrees))
+    print(f"memory per rank over {config.parallel.worker_range[0]} ranks, GB (modeled, not measured: "
+          "app/profiling/memory.py)")
+    print(format_memory_table(memory_table(config)))
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0

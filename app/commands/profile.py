@@ -16,8 +16,11 @@ fits every term of the cost model (scheduling/cost.py) to what was measured:
     reduce      ZeRO-2's per-micro-batch gradient all-reduce (2 ring passes) of P parameters over W
                 ranks -> grad_reduce_passes = 2, grad_reduce_bandwidth = 2 (W-1)/W * P * bytes / t
     optimizer   engine.step() / (P / W) -> optimizer_s_per_param
-    memory      peak bytes = alpha * tokens + c -> activation_bytes_per_hidden = alpha / (L * h), and the
-                BucketSize that fits the memory budget
+    memory      peak bytes = alpha * tokens + c per checkpointing setting: nothing recomputed ->
+                activation_bytes_per_hidden a = alpha / (L * h); every layer recomputed -> alpha = (k * L +
+                a) * h -> checkpoint_bytes_per_hidden k; on CUDA recomputed with offload, whose fit is
+                reported against the model's a * h (app/profiling/memory.py); and the BucketSize C
+                that the measured profile leaves (scheduling.bucket_size: auto derives it the same way)
     steps       --steps global batches of the run's lengths, planned by skrull, static_cp_packed and
                 static_cp, trained as whole steps (each timed in 3 rounds, the median kept) -> k =
                 measured / modeled (least squares in relative error), and every time term above is
@@ -85,7 +88,8 @@ def _settings(config: Any, args: argparse.Namespace, steps: list[Any], on_gpu: b
     return ProfileSettings(
         steps=tuple(step.payloads for step in steps),
         model=model_spec(config.model, config.train, tokenizer=config.data.tokenizer),
-        deepspeed=deepspeed_config(config.train, dtype=config.model.dtype, on_gpu=on_gpu),
+        deepspeed=deepspeed_config(config.train, dtype=config.model.dtype, on_gpu=on_gpu,
+                                   hidden_size=cost.hidden_size),
         cp_size=config.parallel.cp_size, cases=compute_cases(max_tokens),
         memory_cases=tuple((max(32, max_tokens // d),) for d in (8, 4, 2, 1)),
         kv_hidden_size=cost.kv_hidden_size, repeats=args.repeats,
@@ -162,7 +166,7 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
     With whole `steps` measured, every time term is then scaled by their measured / modeled factor
     (app/profiling/steps.py); raw["step_fit"] records the factor and the step residual before it."""
     from app.profiling.hardware import cost_model
-    from scheduling.calibrate import fit_compute, fit_linear, fit_two_regime
+    from scheduling.calibrate import fit_compute, fit_two_regime
 
     cost = cost_model(config)
     profile = cost.profile
@@ -192,10 +196,7 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
         fields["micro_batch_launch_s"] = max(compute.intercept_s - reduce["seconds_median"], 0.0)
     optimizer = raw["optimizer"]
     fields["optimizer_s_per_param"] = optimizer["seconds_median"] * world / optimizer["params"]
-    memory = fit_linear([r["tokens"] for r in raw["memory"]],
-                        [max(r["peak_bytes"], 1) for r in raw["memory"]])
-    fields["activation_bytes_per_hidden"] = max(memory.slope, 1.0) / (cost.num_layers * cost.hidden_size)
-    residuals["memory"] = memory.max_rel_residual
+    fields.update(_memory_fields(raw, cost, residuals))
     if steps and raw.get("steps"):
         from app.profiling.steps import fit_steps, fitted_cost, scaled_fields
 
@@ -208,24 +209,39 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
     return fields, residuals
 
 
-def _bucket_size(config: Any, raw: dict, fields: dict[str, float]) -> int | None:
-    """C = (memory per worker - weights, gradients, Adam states) / activation bytes per token."""
-    from app.profiling.hardware import cost_model
-    from scheduling.cost import bucket_size_from_memory
+def _memory_fields(raw: dict, cost: Any, residuals: dict[str, float]) -> dict[str, float]:
+    """activation_bytes_per_hidden and checkpoint_bytes_per_hidden from the memory rows of each setting
+    (the command's docstring); the residuals of each fit go into `residuals`."""
+    from scheduling.calibrate import fit_linear
 
-    cost = cost_model(config)
-    world, params = raw["world_size"], raw["params"]
-    per_token = fields["activation_bytes_per_hidden"] * cost.num_layers * cost.hidden_size
-    element = 2 if config.model.dtype == "bf16" else 4
-    static = params * (2 * element + 12 / world)  # weights + gradients, fp32 Adam (m, v, master) / W
-    memory = cost.profile.device_memory_bytes
-    if not raw["device"].startswith(("NVIDIA", "AMD")):
-        memory /= world  # CPU workers share the host's memory
-    try:
-        return bucket_size_from_memory(device_memory_bytes=memory, static_memory_bytes=static,
-                                       activation_bytes_per_token=per_token, safety_bytes=0.1 * memory)
-    except ValueError:
-        return None
+    h, layers = cost.hidden_size, cost.num_layers
+    slopes = {}
+    for key in ("memory", "memory_checkpointed", "memory_offloaded"):
+        if key in raw:
+            fit = fit_linear([r["tokens"] for r in raw[key]], [max(r["peak_bytes"], 1) for r in raw[key]])
+            slopes[key], residuals[key] = fit.slope, fit.max_rel_residual
+    fields = {"activation_bytes_per_hidden": max(slopes["memory"], 1.0) / (layers * h)}
+    if "memory_checkpointed" in slopes:
+        # a noisy host measurement can put the recomputing pass below one layer's activations: a floor
+        kept = (slopes["memory_checkpointed"] / h - fields["activation_bytes_per_hidden"]) / layers
+        fields["checkpoint_bytes_per_hidden"] = max(kept, 0.01)
+    if "memory_offloaded" in slopes:
+        modeled = fields["activation_bytes_per_hidden"] * h
+        raw["offload_fit"] = {"measured_bytes_per_token": slopes["memory_offloaded"],
+                              "modeled_bytes_per_token": modeled}
+        residuals["memory_offloaded"] = abs(slopes["memory_offloaded"] - modeled) / max(modeled, 1.0)
+    return fields
+
+
+def _bucket_size(config: Any, fields: dict[str, float]) -> int | None:
+    """The C the measured profile gives the config (app/profiling/memory.py; None: nothing fits)."""
+    import dataclasses
+
+    from app.profiling.hardware import load_hardware_profile
+    from app.profiling.memory import memory_terms
+
+    measured = dataclasses.replace(load_hardware_profile(config.hardware.profile), **fields)
+    return memory_terms(config, profile=measured).tokens or None
 
 
 def profile_yaml(config: Any, raw: dict, fields: dict[str, float], residuals: dict[str, float],
@@ -285,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--steps must be >= 0")
     raw, steps = measure(config, args)
     fields, residuals = fit_profile(config, raw, steps)
-    bucket = _bucket_size(config, raw, fields)
+    bucket = _bucket_size(config, fields)
     for term, residual in residuals.items():
         if residual > RESIDUAL_WARNING:
             print(f"warning: the {term} fit's largest residual is {residual:.0%} (> 15%): the cost model's "

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from app.train.signals import RunInterrupted
     from workers.storage import redact_text
 
-    config = config_from_args(args)
+    config = config_from_args(args, derive_bucket_size=False)  # the driver derives it and says so
     # With --json, stdout carries only the summary line; worker errors still surface as exceptions.
     try:
         summary = train(config, progress=not args.no_progress and not args.json, quiet=not args.verbose)

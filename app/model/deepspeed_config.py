@@ -31,6 +31,17 @@ Why these settings:
   runtime/zero/stage_1_and_2.py) instead of the bf16 `grads_in_partition` (ZeRO-1 switches to its
   BF16_Optimizer, which accumulates in fp32 too). Not with ZeRO stage 0: DeepSpeed has no fp32
   accumulation for bf16 without ZeRO (`_do_optimizer_sanity_check` raises NotImplementedError on the mix).
+  ZeRO-3 takes the same setting (`DeepSpeedZeroOptimizer_Stage3(gradient_accumulation_dtype=...)`: its
+  partitioned gradient buffers are fp32).
+- ZeRO-3 (`train.zero_stage: 3`) partitions the weights too, over the same W ranks, and gathers each
+  module's weights in its forward and backward hooks. `stage3_prefetch_bucket_size` (elements gathered
+  ahead of use) follows the reduce bucket (5e7 on GPU, DeepSpeed's default; 5e5 on CPU, where a gather
+  is a memcpy through gloo). `stage3_param_persistence_threshold` keeps every parameter under 10 x
+  hidden_size elements (the rule of transformers' DeepSpeed integration for its `auto` value: norms and
+  biases, a few MB for a 70B model; DeepSpeed's default 1e5 when the hidden size is not given) gathered
+  for the whole run instead of gathering it twice per micro-batch. `stage3_max_live_parameters` and
+  `stage3_max_reuse_distance` are DeepSpeed's defaults (1e9 elements).
+  What every rank must do alike at stage 3 (the same module forwards and backwards) is workers/step.py's.
 """
 
 from __future__ import annotations
@@ -38,9 +49,20 @@ from __future__ import annotations
 from app.config import TrainConfig
 from workers.engine import DeepSpeedConfig
 
+DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's default `stage3_param_persistence_threshold` (deepspeed/runtime/zero/config.py)."""
 
-def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool) -> DeepSpeedConfig:
-    """ZeRO-2 engine settings for the train section and the model's dtype (model.dtype)."""
+
+def persistence_threshold(hidden_size: int) -> int:
+    """ZeRO-3: parameters with fewer elements stay gathered on every rank (the memory model,
+    app/profiling/memory.py, charges them whole): 10 x hidden_size, or DeepSpeed's default without one."""
+    return 10 * hidden_size if hidden_size > 0 else DEEPSPEED_PERSISTENCE_THRESHOLD
+
+
+def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool,
+                     hidden_size: int = 0) -> DeepSpeedConfig:
+    """ZeRO engine settings (train.zero_stage) for the train section and the model's dtype (model.dtype);
+    `hidden_size` (the model's) sets ZeRO-3's persistence threshold."""
     ds: DeepSpeedConfig = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -68,8 +90,12 @@ def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool) -> DeepSpe
         "bf16": {"enabled": dtype == "bf16"},
         "wall_clock_breakdown": False,
     }
+    if train.zero_stage == 3:
+        ds["zero_optimization"].update(stage3_prefetch_bucket_size=5e7 if on_gpu else 5e5,
+                                       stage3_param_persistence_threshold=persistence_threshold(hidden_size),
+                                       stage3_max_live_parameters=1e9, stage3_max_reuse_distance=1e9)
     if on_gpu:
         ds["optimizer"]["params"]["foreach"] = True
-    if dtype == "bf16":  # train.zero_stage is 1 or 2 (app/config.py): both honour it
+    if dtype == "bf16":  # train.zero_stage is 1, 2 or 3 (app/config.py): each honours it
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
     return ds

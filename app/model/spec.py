@@ -26,7 +26,9 @@ def model_spec(model: ModelConfig, train: TrainConfig, *, tokenizer: str | TextT
         vocab_size=vocab_size, num_attention_heads=model.num_attention_heads,
         num_key_value_heads=model.num_key_value_heads, hidden_size=model.hidden_size,
         num_layers=model.num_layers, intermediate_size=model.intermediate_size, seed=train.seed,
-        activation_checkpointing=train.activation_checkpointing, attention_backend=model.attention_backend,
+        activation_checkpointing=train.activation_checkpointing,
+        activation_checkpointing_every=train.activation_checkpointing_every,
+        activation_offload=train.activation_offload, attention_backend=model.attention_backend,
         lora_r=model.lora.r, lora_alpha=model.lora.alpha, lora_dropout=model.lora.dropout,
         lora_target_modules=(model.lora.target_modules if isinstance(model.lora.target_modules, str)
                              else tuple(model.lora.target_modules)),

@@ -298,7 +298,23 @@ def check_vocabulary(config: SkrullConfig, tokenizer: Any | None = None, hf: HfC
 
 
 def check_model_support(config: SkrullConfig, tokenizer: Any | None = None) -> None:
-    """check_model_math then check_vocabulary, reading config.json once (preflight and `plan`)."""
+    """check_model_math then check_vocabulary, reading config.json once (preflight and `plan`), then
+    check_checkpointing_options."""
     hf = model_config_dict(config.model)
     check_model_math(config, hf or {})
     check_vocabulary(config, tokenizer, hf or {})
+    check_checkpointing_options(config)
+
+
+def check_checkpointing_options(config: SkrullConfig) -> None:
+    """train.activation_checkpointing_every / train.activation_offload need transformers' options of the
+    same names (workers/models.py enable_checkpointing); transformers is imported only when one is set."""
+    train = config.train
+    if train.activation_checkpointing_every == 1 and not train.activation_offload:
+        return
+    from workers.models import checkpointing_problem
+
+    problem = checkpointing_problem(every_n_layers=train.activation_checkpointing_every,
+                                    offload=train.activation_offload)
+    if problem:
+        raise ConfigError(problem)

@@ -82,13 +82,16 @@ def worker_settings(config: SkrullConfig, planner: ActorHandle | None, monitor: 
     for planner_actor (a tiny preset's vocabulary)."""
     from app.model.deepspeed_config import deepspeed_config
     from app.model.spec import model_spec
+    from app.profiling.hardware import model_dims
     from workers.nonfinite import NonFinitePolicy
     from workers.train_loop import WorkerSettings
 
     train = config.train
     return WorkerSettings(
         model=model_spec(config.model, train, tokenizer=tokenizer or config.data.tokenizer),
-        deepspeed=deepspeed_config(train, dtype=config.model.dtype, on_gpu=use_gpu(config)),
+        deepspeed=deepspeed_config(train, dtype=config.model.dtype, on_gpu=use_gpu(config),
+                                   hidden_size=model_dims(config.model, tokenizer or config.data.tokenizer)
+                                   .hidden_size),
         cp_size=config.parallel.cp_size, cp_degrees=config.cp_degrees, total_steps=total_steps,
         loss_chunk_tokens=train.loss_chunk_tokens,
         checkpoint_every=train.checkpoint_every, log_every=train.log_every, run_dir=run_dir,

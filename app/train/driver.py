@@ -88,6 +88,7 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     Ctrl-C and SIGTERM stop the call alike (RunInterrupted). The run's lock (app/rundir/lock.py) is held
     from before its first write to the end: a second call on the same run stops with RunLocked.
     """
+    config = _with_bucket_size(config, out)
     name = run_name(config)
     try:
         with sigterm_stops_like_ctrl_c():
@@ -96,6 +97,16 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     except KeyboardInterrupt as err:  # Ray (embedded: every process of it) is already shut down here
         stopped_by = signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
         raise RunInterrupted(name, run_location_of(config, name), stopped_by) from err
+
+
+def _with_bucket_size(config: SkrullConfig, out: TextIO | None) -> SkrullConfig:
+    """scheduling.bucket_size=auto derived from memory (app/profiling/memory.py), said in one line."""
+    from app.profiling.memory import resolve_bucket_size
+
+    resolved, budget = resolve_bucket_size(config)
+    if budget.source == "memory":
+        print(budget.line(), file=out or sys.stderr, flush=True)
+    return resolved
 
 
 def _train_locked(config: SkrullConfig, name: str, *, progress: bool, quiet: bool, worker_logs: bool,

@@ -22,6 +22,7 @@ from scheduling.payload import IGNORE_INDEX
 from workers.attention.runtime import AttentionRuntime
 from workers.batch import build_rank_batch
 from workers.forward import micro_batch_loss_sum
+from workers.step import engine_loss_sum
 
 
 def compute_cases(max_tokens: int, short_len: int = 512) -> list[tuple[int, ...]]:
@@ -79,7 +80,10 @@ def time_micro_batch(model: torch.nn.Module, lengths: Sequence[int], *, repeats:
             model.zero_grad(set_to_none=True)
         _sync(device)
         start = time.perf_counter()
-        loss = micro_batch_loss_sum(model, batch, runtime=runtime, loss_chunk_tokens=loss_chunk_tokens)
+        if engine is None:
+            loss = micro_batch_loss_sum(model, batch, runtime=runtime, loss_chunk_tokens=loss_chunk_tokens)
+        else:  # as a training step runs it: through DeepSpeed's forward (workers/step.py)
+            loss = engine_loss_sum(engine, batch, runtime=runtime, loss_chunk_tokens=loss_chunk_tokens)
         if engine is None:
             loss.backward()
         else:

@@ -19,7 +19,10 @@ and, all ranks at once as in training (on a CPU host they share its cores, as tr
                 DACP attention runs them (started ring, local attention, wait)
     reduce      one micro-batch's ZeRO-2 gradient reduction of the model's parameters over all ranks
     optimizer   DeepSpeed's `engine.step()` (ZeRO-2 partitioned Adam + parameter all-gather)
-    memory      peak memory of forward+backward above the memory before it, per stream size
+    memory      peak memory of forward+backward above the memory before it, per stream size, with no
+                layer recomputed ("memory"), every layer recomputed ("memory_checkpointed") and, on CUDA,
+                recomputed with the saved inputs in host memory ("memory_offloaded"): one model, its
+                transformers checkpointing switched between the passes
     steps       whole training steps (`run_step`: every micro-batch of a planned payload, then the
                 optimizer step) of the payloads app/profiling/steps.py planned, after one untimed step;
                 per step the median over rounds of the slowest rank's time
@@ -44,7 +47,7 @@ from scheduling.payload import RankPayload, spare_payload
 from workers.attention.index import VarlenBlock
 from workers.distributed import ParallelGroups
 from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
-from workers.models import ModelSpec
+from workers.models import ModelSpec, enable_checkpointing
 from workers.step import run_step, synchronize
 from workers.tools.profile_comm import measure_grad_reduce, measure_overlap, measure_ring
 from workers.tools.profile_compute import label_tokens, time_micro_batch
@@ -199,9 +202,6 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
     result: dict[str, Any] = {
         "world_size": world_size, "cp_size": s.cp_size, "params": params,
         "compute": _compute_rows(engine, s, groups, device),
-        "memory": measure_activation_memory(model, s.memory_cases, device=device,
-                                            loss_chunk_tokens=s.loss_chunk_tokens,
-                                            runtime=groups.attention.single_rank()),
     }
     if groups.cp_group is not None and s.cp_size > 1:
         bucket = max(sum(lengths) for lengths, _ in s.cases)
@@ -220,8 +220,28 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
         result["steps"] = _whole_steps(engine, s, groups, device)
     result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" \
         else f"{platform.machine()} cpu x{os.cpu_count() or 1}"
+    result.update(_memory_rows(model, s, groups, device))
     del model
     return result
+
+
+def _memory_rows(model: torch.nn.Module, s: ProfileSettings, groups: ParallelGroups,
+                 device: torch.device) -> dict[str, list[dict]]:
+    """The memory cases per checkpointing setting (app/profiling/memory.py models each from them)."""
+    def measure() -> list[dict]:
+        return measure_activation_memory(model, s.memory_cases, device=device,
+                                         loss_chunk_tokens=s.loss_chunk_tokens,
+                                         runtime=groups.attention.single_rank())
+
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    disable()
+    rows = {"memory": measure()}
+    enable_checkpointing(model)
+    rows["memory_checkpointed"] = measure()
+    if device.type == "cuda":  # on CPU the saved inputs are in host memory already
+        enable_checkpointing(model, offload=True)
+        rows["memory_offloaded"] = measure()
+    return rows
 
 
 def profile_loop_per_worker(loop_config: dict[str, Any]) -> None:

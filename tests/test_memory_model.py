@@ -1,0 +1,200 @@
+"""The memory per rank and the BucketSize it leaves (app/profiling/memory.py; scheduling.bucket_size: auto),
+`plan`'s report of both, and the activation checkpointing knobs' config rules.
+
+The terms are checked against the arithmetic written out here for Qwen2.5-7B (configs/qwen2.5-7b-gpu.yaml:
+7,615,616,512 parameters, h 3584, h_kv 512, 28 layers, V 152064, bf16, 8 ranks, 80 GB H100 profile), so a
+changed term is a failing test, not a silently different C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from app.commands import plan
+from app.config import ConfigError, load_config
+from app.profiling.memory import SAFETY_FRACTION, bucket_budget, memory_terms, resolve_bucket_size
+
+GPU_7B = "configs/qwen2.5-7b-gpu.yaml"
+P, H, HKV, L, V = 7_615_616_512, 3584, 512, 28, 152_064
+SYNTHETIC = ["data.source=synthetic", "data.distribution=chatqa2", "plan.num_batches=1"]
+
+
+def _plan_json(capsys, config: str, *overrides: str) -> dict:
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    argv = ["--config", config, "--json", *[a for o in overrides for a in ("--set", o)]]
+    assert plan.run(parser.parse_args(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_7b_terms_are_the_written_out_arithmetic() -> None:
+    config = load_config(GPU_7B)
+    w, e, bucket = 8, 2, 5e7  # the elastic run's smallest group: each rank holds the most
+    zero2 = memory_terms(config, zero_stage=2)
+    assert zero2.workers == w and zero2.device == 80e9 and zero2.safety == SAFETY_FRACTION * 80e9
+    assert zero2.weights == P * e
+    assert zero2.gradients == pytest.approx(P * 4 / w + 2 * bucket * e)
+    assert zero2.optimizer == pytest.approx(P * 12 / w)
+    assert zero2.loss == 4096 * V * 8 + V * H * 4
+    assert zero2.activation_per_token == pytest.approx((2.0 * L + 34.0) * H)  # recompute every layer
+    free = 80e9 - zero2.static - zero2.loss - zero2.safety
+    assert zero2.tokens == int(free // zero2.activation_per_token)
+    zero3 = memory_terms(config, zero_stage=3)
+    persistent, largest = L * (3 * H + 2 * HKV) + H, V * H  # norms and biases; the embedding
+    assert zero3.weights == pytest.approx((P / w + persistent + largest + bucket) * e)
+    assert zero3.tokens > zero2.tokens
+    offload = memory_terms(config, zero_stage=3, offload=True)
+    assert offload.activation_per_token == pytest.approx(34.0 * H)  # the saved inputs are in host memory
+    assert offload.recompute == "every layer + offload"
+
+
+def test_recomputing_every_nth_layer_and_lora_change_the_terms_they_should() -> None:
+    config = load_config(GPU_7B, ["train.activation_checkpointing_every=4"])
+    c = math.ceil(L / 4)
+    assert memory_terms(config).activation_per_token == pytest.approx((34.0 * (L - c) + 2.0 * c + 34.0) * H)
+    lora = memory_terms(load_config(GPU_7B, ["model.lora.r=16"]), zero_stage=2)
+    full = memory_terms(load_config(GPU_7B), zero_stage=2)
+    adapters = 16 * L * (9 * H + 2 * HKV + 3 * 18944)  # r x (in + out) of the 7 linears of a layer
+    assert lora.optimizer == pytest.approx(adapters * 12 / 8) and lora.weights == full.weights
+    none = memory_terms(load_config(GPU_7B, ["train.activation_checkpointing=false"]))
+    assert none.activation_per_token == pytest.approx(34.0 * L * H) and none.recompute == "none"
+
+
+def test_auto_resolves_to_the_derived_c_and_a_set_value_stays() -> None:
+    config = load_config(GPU_7B)
+    assert config.scheduling.bucket_size == "auto"
+    with pytest.raises(ConfigError, match="scheduling.bucket_size=auto"):
+        _ = config.max_sequence_length  # derived first, by the commands and `train`
+    resolved, budget = resolve_bucket_size(config)
+    assert budget.source == "memory"
+    assert resolved.scheduling.bucket_size == budget.tokens == budget.terms.tokens
+    assert "scheduling.bucket_size=auto" in budget.line() and "ZeRO-2 over 8 ranks" in budget.line()
+    fixed = bucket_budget(load_config(GPU_7B, ["scheduling.bucket_size=13000"]))
+    assert (fixed.tokens, fixed.source) == (13000, "config")
+    with pytest.raises(ConfigError, match="scheduling.bucket_size"):
+        load_config(GPU_7B, ["scheduling.bucket_size=big"])
+
+
+def test_auto_with_nothing_left_is_an_error_naming_the_knobs() -> None:
+    config = load_config("configs/qwen2.5-72b-gpu.yaml", ["train.zero_stage=2"])
+    with pytest.raises(ConfigError, match="train.zero_stage=3.*scheduling.bucket_size by hand"):
+        resolve_bucket_size(config)
+
+
+@pytest.mark.parametrize("config", ["configs/qwen2.5-32b-gpu.yaml", "configs/qwen2.5-72b-gpu.yaml"])
+def test_plan_of_the_32b_and_72b_configs_shows_c_step_times_and_memory_at_both_stages(capsys,
+                                                                                     config: str) -> None:
+    out = _plan_json(capsys, config, "plan.num_batches=1")
+    assert out["bucket_size_source"] == "memory" and out["bucket_size"] > 1000
+    assert out["policies"]["skrull"]["modeled_step_s"] > 0
+    memory = out["memory"]
+    assert set(memory) == {"zero2", "zero2_offload", "zero3", "zero3_offload"}
+    assert memory["zero2"]["tokens"] == 0  # the bf16 weights alone fill most of an 80 GB GPU
+    assert 0 < memory["zero3"]["tokens"] < memory["zero3_offload"]["tokens"]
+    own = "zero3_offload" if load_config(config).train.activation_offload else "zero3"
+    assert out["bucket_size"] == memory[own]["tokens"]
+
+
+def test_plan_of_a_config_with_a_set_bucket_says_so(capsys) -> None:
+    out = _plan_json(capsys, GPU_7B, *SYNTHETIC, "scheduling.bucket_size=13000")
+    assert (out["bucket_size"], out["bucket_size_source"]) == (13000, "config")
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    argv = ["--config", GPU_7B, *[a for o in SYNTHETIC for a in ("--set", o)]]
+    assert plan.run(parser.parse_args(argv)) == 0
+    text = capsys.readouterr().out
+    assert "BucketSize C = " in text and "scheduling.bucket_size=auto, modeled" in text
+    assert "modeled, not measured" in text and "ZeRO-3, recompute every layer + offload" in text
+
+
+@pytest.mark.parametrize(("overrides", "knob"), [
+    (["train.activation_offload=true"], "train.activation_checkpointing=true"),
+    (["train.activation_checkpointing_every=2"], "train.activation_checkpointing=true"),
+    (["train.activation_checkpointing=true", "train.activation_checkpointing_every=0"],
+     "train.activation_checkpointing_every must be >= 1"),
+    (["train.activation_checkpointing=true", "train.activation_offload=true"], "resources.gpus_per_worker"),
+])
+def test_activation_knobs_that_cannot_apply_are_config_errors(overrides: list[str], knob: str) -> None:
+    with pytest.raises(ConfigError, match=knob):
+        load_config(None, overrides)
+
+
+def test_an_older_transformers_without_the_options_is_an_error_naming_the_knob(monkeypatch) -> None:
+    """transformers before 5.17 has only gradient_checkpointing_enable: checked before Ray starts."""
+    from transformers import PreTrainedModel
+
+    from app.model.support import check_model_support
+
+    config = load_config(None, ["train.activation_checkpointing=true",
+                                "train.activation_checkpointing_every=2"])
+    check_model_support(config)  # the installed transformers has it
+    monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable")
+    with pytest.raises(ConfigError, match="train.activation_checkpointing_every need transformers >= 5.17"):
+        check_model_support(config)
+
+
+def test_every_nth_layer_recomputes_those_layers_and_the_gradient_is_unchanged() -> None:
+    """transformers' every_n_layers marks layers 0, n, 2n, ...; recomputation changes no number."""
+    import torch
+
+    from scheduling import DacpPlan
+    from workers.batch import build_rank_batch
+    from workers.forward import micro_batch_loss_sum
+    from workers.models import build_model
+
+    ids = [list(range(1, 50)), list(range(3, 30))]
+    batch = build_rank_batch(DacpPlan(local=((0, 1),), distributed=()), ids, ids, cp_rank=0, cp_size=1)
+    grads = []
+    for every in (0, 2):
+        model = build_model("tiny-qwen2", vocab_size=128, num_layers=4, seed=1,
+                            activation_checkpointing=bool(every), activation_checkpointing_every=every or 1)
+        model.train()
+        if every:
+            flags = [layer.gradient_checkpointing for layer in model.model.layers]
+            assert flags == [True, False, True, False]
+        micro_batch_loss_sum(model, batch).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-8)
+
+
+def test_activation_offload_lowers_the_peak_device_memory_of_a_long_sequence() -> None:
+    """Tensor accounting (workers/tools/tensor_ledger.py) of one forward+backward of a 2048-token sequence:
+    recomputation keeps each layer's input instead of its activations, offload moves those inputs to host
+    memory, so the peak drops by about layers x tokens x hidden x 4 bytes (fp32) more."""
+    import numpy as np
+
+    from scheduling import DacpPlan
+    from workers.batch import build_rank_batch
+    from workers.models import build_model
+    from workers.tools.tensor_ledger import peak_device_bytes
+
+    tokens, layers, hidden = 2048, 4, 64
+    ids = [np.random.default_rng(0).integers(1, 128, tokens).tolist()]
+    batch = build_rank_batch(DacpPlan(local=((0,),), distributed=()), ids, ids, cp_rank=0, cp_size=1)
+    peaks = {}
+    for name, knobs in {"none": {}, "recompute": {"activation_checkpointing": True},
+                        "offload": {"activation_checkpointing": True, "activation_offload": True}}.items():
+        model = build_model("tiny-qwen2", vocab_size=128, num_layers=layers, hidden_size=hidden, **knobs)
+        model.train()
+        peaks[name] = peak_device_bytes(model, batch, loss_chunk_tokens=1024)
+    inputs = layers * tokens * hidden * 4
+    assert peaks["recompute"] < peaks["none"] / 2, peaks
+    assert peaks["recompute"] - peaks["offload"] >= 0.75 * inputs, (peaks, inputs)
+
+
+def test_train_says_the_derived_c_in_one_line() -> None:
+    import io
+
+    from app.train.driver import _with_bucket_size
+
+    out = io.StringIO()
+    config = _with_bucket_size(load_config(GPU_7B), out)
+    assert isinstance(config.scheduling.bucket_size, int)
+    assert out.getvalue().splitlines() == [resolve_bucket_size(load_config(GPU_7B))[1].line()]
+    out = io.StringIO()
+    assert _with_bucket_size(load_config(None, []), out).scheduling.bucket_size == 26000
+    assert out.getvalue() == ""  # a set bucket_size is what the user wrote: nothing to say
