@@ -190,6 +190,7 @@ import torch
 
 from app.config import load_config
 from app.profiling.hardware import cost_model
+from app.profiling.memory import memory_terms
 from app.rundir.files import CONFIG_SNAPSHOT
 from app.train.report import run_report
 
@@ -197,11 +198,11 @@ run_dir = json.loads(Path(sys.argv[1]).read_text())["run_dir"]
 report, config = run_report(run_dir), load_config(Path(run_dir) / CONFIG_SNAPSHOT)
 history, cost = report["history"], cost_model(config)
 world = int(history[-1]["world_size"])
-# The memory model of `profile`'s BucketSize: weights and gradients in the training dtype, fp32 Adam state
-# (master, m, v) partitioned over the W ranks by ZeRO-2, and alpha bytes per token of a full bucket.
-element = 2 if config.model.dtype == "bf16" else 4
-static = cost.params * (2 * element + 12 / world)
-alpha = cost.profile.activation_bytes_per_hidden * cost.num_layers * cost.hidden_size
+# The memory model of scheduling.bucket_size=auto (app/profiling/memory.py): weights, gradients and
+# optimizer state per rank at the run's ZeRO stage, the chunked loss, and alpha bytes per token of a full
+# bucket (the safety margin left out: it is what the model keeps free, not what it predicts in use).
+terms = memory_terms(config)
+static, alpha = terms.static + terms.loss, terms.activation_per_token
 bucket = config.scheduling.bucket_size
 predicted = static + alpha * bucket
 peaks = [h["gpu_peak_bytes"] for h in history if h.get("gpu_peak_bytes") is not None]

@@ -162,7 +162,7 @@ def test_all_refuses_a_given_python_without_the_stack_before_installing(tmp_path
 
 TINY_TRAIN = ("model.dtype=fp32 model.hidden_size=64 model.num_layers=2 model.num_attention_heads=4 "
               "model.num_key_value_heads=2 model.kv_hidden_size=32 model.intermediate_size=128 "
-              "model.vocab_size=1024 "
+              "model.vocab_size=1024 model.num_params=0 "
               "data.tokenizer=configs/bench/synth-bpe-773.json data.num_samples=16 data.length_scale=0.1 "
               "scheduling.global_batch_size=8 scheduling.bucket_size=1024 train.steps=2 "
               "resources.gpus_per_worker=0 resources.cpus_per_worker=0.5 resources.data_cpus=0.5")
@@ -174,7 +174,8 @@ def test_the_train_stage_runs_its_command_line_on_cpu(tmp_path: Path) -> None:
     """gpu_check.sh train as on a GPU (its config, overrides, run directory, train.json), with the CUDA
     checks skipped and TINY_TRAIN appended; the python is the venv's base interpreter with the venv's
     packages on PYTHONPATH (a target directory), so the driver and Ray's workers import them from there."""
-    from app.profiling.hardware import load_hardware_profile
+    from app.config import load_config
+    from app.profiling.memory import memory_terms
 
     base = getattr(sys, "_base_executable", sys.executable)
     site = sysconfig.get_paths()["purelib"]
@@ -198,11 +199,14 @@ def test_the_train_stage_runs_its_command_line_on_cpu(tmp_path: Path) -> None:
         assert report[key] > 0, key
     assert report["profile"] == "h100" and report["gpu"] is None
     assert report["gpu_peak_bytes"] is None and report["gpu_peak_over_predicted"] is None  # CPU: no GPU peak
-    # The memory model of the tiny shape, written out: h=64, h_kv=2*16, I=128, L=2, V=1024, fp32, W=1
+    # The memory model of the tiny shape (h=64, h_kv=2*16, I=128, L=2, V=1024, fp32, W=1): the terms of
+    # scheduling.bucket_size=auto (app/profiling/memory.py, whose own test writes them out) at C = 1024
     params = (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) * 2 + 2 * 1024 * 64
-    alpha = load_hardware_profile("h100").activation_bytes_per_hidden * 64 * 2
+    terms = memory_terms(load_config(run_dir / "skrull_config.json"))
+    alpha = terms.activation_per_token
     assert report["memory_model"]["params"] == params
-    assert report["predicted_peak_bytes"] == pytest.approx(params * (2 * 4 + 12) + alpha * 1024)
+    assert report["memory_model"]["activation_bytes_per_token"] == alpha
+    assert report["predicted_peak_bytes"] == pytest.approx(terms.static + terms.loss + alpha * 1024)
     assert report["python"] == base and report["torch_from"] == site
     config = json.loads((run_dir / "skrull_config.json").read_text())
     assert config["model"]["attention_backend"] == "auto" and config["model"]["random_init"] is True
