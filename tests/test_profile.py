@@ -86,6 +86,33 @@ def test_whole_steps_slower_than_their_parts_scale_every_time_term() -> None:
     assert fields["ring_overlap"] == TRUTH["ring_overlap"]  # a share, not a time
 
 
+def test_whole_steps_fit_what_a_sharded_sequence_costs() -> None:
+    """The steps' micro-batch laps (each the max over the CP ranks of a machine that charges 2 ms per
+    sharded sequence, ring step and layer) give ring_sequence_step_s back (scheduling/refit.py's fit)."""
+    config = load_config("configs/tiny-cpu.yaml", TINY)
+    raw = _raw(config)
+    isolated, _ = fit_profile(config, raw)
+    steps = planned_steps(config, cost_model(config), num_batches=2, world_size=2)
+    truth = fitted_cost(cost_model(config), isolated | {"ring_sequence_step_s": 2e-3})
+    raw["steps"] = [simulate(s.plan, s.lengths, truth, labels=s.labels).total_s for s in steps]
+    raw["step_laps"] = [_laps(s, truth) for s in steps]
+    fields, _ = fit_profile(config, raw, steps)
+    assert fields["ring_sequence_step_s"] == pytest.approx(2e-3, rel=0.05)
+    assert raw["sequence_fit"]["micro_batches"] == sum(s.plan.num_micro_batches for s in steps)
+
+
+def _laps(step, cost) -> dict:
+    """What the workers lap of `step` on the machine `cost` models: each micro-batch's slowest CP rank."""
+    from scheduling.cost import SubgroupClock
+    from scheduling.simulate import plan_times
+
+    flops = cost.sequence_flops(step.lengths, step.labels)
+    kv = [cost.kv_bytes(float(n)) for n in step.lengths]
+    clock = SubgroupClock(cost, step.plan.cp_size, step.plan.dp_size * step.plan.cp_size)
+    return {"micro_batch_s": [max(plan_times(mb, flops, kv, clock)) for mb in step.plan.micro_batches[0]],
+            "optimizer_s": cost.optimizer_step_s(step.plan.dp_size * step.plan.cp_size)}
+
+
 @pytest.mark.parametrize("gpus_per_node", [8, 1], ids=["ring-in-a-node", "ring-across-nodes"])
 @pytest.mark.parametrize("scale", [0.5, 1.7])
 def test_scaling_every_time_term_scales_every_modeled_step_exactly(scale: float, gpus_per_node: int) -> None:
@@ -128,7 +155,7 @@ def test_profile_measures_this_machine_and_writes_a_loadable_profile(tmp_path: P
     raw = result["raw"]
     assert result["profile"]["checkpoint_bytes_per_hidden"] > 0 and len(raw["memory_checkpointed"]) == 4
     assert len(raw["steps"]) == len(STEP_POLICIES) and min(raw["steps"]) > 0
-    assert raw["step_fit"]["scale"] > 0
+    assert raw["step_fit"]["scale"] > 0 and raw["sequence_fit"]["micro_batches"] > 0
     sizes = [row["bytes"] for row in raw["ring"]]
     assert len(sizes) >= 3 and sizes == sorted(set(sizes))
     assert raw["overlap"]["both_s"] > 0 and raw["optimizer"]["seconds_median"] > 0

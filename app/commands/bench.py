@@ -2,7 +2,8 @@
 overlap, measured training step time of the scheduling policies (`bench train`, app/commands/bench_train.py),
 this project against TRL's SFTTrainer (`bench peer`, app/commands/bench_peer.py).
 
-`bench planner` times GDS + DACP (the skrull policy) on one global batch of synthetic LMsysChat1M-like
+`bench planner` times GDS + DACP (the skrull policy, weighing its baseline candidates as it does with
+scheduling.calibration=online: scheduling/skrull.py) on one global batch of synthetic LMsysChat1M-like
 lengths for (sequences, ranks) = (64, 8), (256, 32), (1024, 128), (4096, 1024), with CP = 8 (so DP =
 ranks / 8) and Qwen2.5-0.5B's cost model with BucketSize 26000, every CP degree enabled
 (scheduling.cp_degrees=auto, docs/design.md §13; `--two-level` plans with [1, N], the paper's DACP). Each
@@ -60,7 +61,7 @@ def planner_latency(sequences: int, ranks: int, repeats: int, two_level: bool = 
         lengths = np.minimum(sample_lengths("lmsys", sequences, seed), limit)
         start = time.perf_counter()
         plan_step("skrull", lengths, dp_size=ranks // CP_SIZE, cp_size=CP_SIZE, bucket_size=BUCKET_SIZE,
-                  cost=cost, cp_degrees=[1, CP_SIZE] if two_level else "auto")
+                  cost=cost, cp_degrees=[1, CP_SIZE] if two_level else "auto", baselines=True)
         times.append((time.perf_counter() - start) * 1e3)
     return {"sequences": sequences, "ranks": ranks, "dp_size": ranks // CP_SIZE, "cp_size": CP_SIZE,
             "plan_ms_median": float(np.median(times)), "plan_ms_p99": float(np.percentile(times, 99))}

@@ -24,7 +24,9 @@ fits every term of the cost model (scheduling/cost.py) to what was measured:
     steps       --steps global batches of the run's lengths, planned by skrull, static_cp_packed and
                 static_cp, trained as whole steps (each timed in 3 rounds, the median kept) -> k =
                 measured / modeled (least squares in relative error), and every time term above is
-                scaled by k (app/profiling/steps.py)
+                scaled by k (app/profiling/steps.py); then the steps' micro-batch laps fit what a sharded
+                sequence costs beyond its FLOPs and bytes (the online calibration's fit,
+                scheduling/refit.py, over the scaled profile) -> ring_sequence_step_s
 
 Every fit's largest relative residual is printed; over 15% is a warning naming the term. Fields not
 measured here (peak_flops, inter-node links, gpus_per_node, device memory) keep the configured profile's
@@ -206,7 +208,26 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
         raw["step_fit"] = {"scale": fit.scale, "max_rel_residual": fit.max_rel_residual,
                            "max_rel_residual_before": fit.max_rel_residual_before,
                            "policies": [step.policy for step in steps], "measured_s": raw["steps"]}
+        fields.update(_sharded_sequence_field(list(steps), raw, fitted_cost(cost, fields), world))
     return fields, residuals
+
+
+def _sharded_sequence_field(steps: list[Any], raw: dict, cost: Any, world: int) -> dict[str, float]:
+    """ring_sequence_step_s from the whole steps' micro-batch laps: the online calibration's fit
+    (scheduling/refit.py) over them, the other terms held where the isolated measurements and the step
+    scale put them (the steps' plans mix sharded and local sequences: skrull, static_cp_packed, static_cp);
+    raw["sequence_fit"] records it. Nothing when the steps shard nothing."""
+    from scheduling.refit import PlannedStep, StepTiming, refit
+
+    planned = {i: PlannedStep(plan=s.plan, lengths=s.lengths, labels=s.labels) for i, s in enumerate(steps)}
+    timings = [StepTiming(step=i, micro_batch_s=tuple(laps["micro_batch_s"]), optimizer_s=laps["optimizer_s"])
+               for i, laps in enumerate(raw.get("step_laps", []))]
+    fit = refit(cost, planned, timings, world=world)
+    if fit is None or not any(mb.distributed or mb.partial for s in steps for rank in s.plan.micro_batches
+                              for mb in rank):
+        return {}
+    raw["sequence_fit"] = fit.to_dict()
+    return {"ring_sequence_step_s": fit.profile.ring_sequence_step_s}
 
 
 def _memory_fields(raw: dict, cost: Any, residuals: dict[str, float]) -> dict[str, float]:
@@ -267,6 +288,11 @@ def profile_yaml(config: Any, raw: dict, fields: dict[str, float], residuals: di
         lines.insert(3, f"# {len(fit['measured_s'])} whole training steps ran {fit['scale']:.3f}x the "
                         f"isolated terms' model (largest step error {before:.1%} before, {after:.1%} "
                         "after): every time term below is scaled by that.")
+    if "sequence_fit" in raw:
+        fit = raw["sequence_fit"]
+        lines.insert(4, f"# The steps' {fit['micro_batches']} micro-batches fitted ring_sequence_step_s "
+                        f"(median error {fit['error_before']:.1%} -> {fit['error_after']:.1%}; "
+                        "scheduling/refit.py).")
     for key, value in values.items():
         text = value if isinstance(value, str) else (f"{value:.6g}" if isinstance(value, float) else value)
         lines.append(f"{key}: {text}" + ("  # measured" if key in fields else ""))

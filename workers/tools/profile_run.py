@@ -166,8 +166,11 @@ def _optimizer_step_s(engine: Any, s: ProfileSettings, device: torch.device) -> 
 
 
 def _whole_steps(engine: Any, s: ProfileSettings, groups: ParallelGroups,
-                 device: torch.device) -> list[float]:
-    """Per planned step, the median over WHOLE_STEP_ROUNDS rounds of the slowest rank's seconds.
+                 device: torch.device) -> tuple[list[float], list[dict[str, Any]]]:
+    """Per planned step, the median over WHOLE_STEP_ROUNDS rounds of the slowest rank's seconds, and this
+    rank's laps (workers/laps.py: each micro-batch, then the optimizer step; medians over the rounds),
+    which the online calibration's fit reads (scheduling/refit.py; the ranks' laps agree: the gradient
+    reduction ends every micro-batch on all of them).
 
     The first step runs once untimed first (warm-up); then every round trains each step once, in order,
     so a slow spell of the host lands in one round of many steps rather than on every timing of one.
@@ -175,14 +178,17 @@ def _whole_steps(engine: Any, s: ProfileSettings, groups: ParallelGroups,
     def payload(step: dict[tuple[int, int], RankPayload]) -> RankPayload:
         return spare_payload(step[0, 0], 0) if groups.is_spare else step[groups.dp_rank, groups.cp_rank]
 
-    def timed(step: dict[tuple[int, int], RankPayload]) -> float:
+    def timed(step: dict[tuple[int, int], RankPayload]) -> tuple[float, list[float]]:
         stats = run_step(engine, payload(step), groups, device=device, loss_chunk_tokens=s.loss_chunk_tokens)
-        return _slowest(stats.compute_s, device)
+        return _slowest(stats.compute_s, device), stats.laps.seconds() if stats.laps else []
 
     if s.steps:
         timed(s.steps[0])
     rounds = [[timed(step) for step in s.steps] for _ in range(WHOLE_STEP_ROUNDS)]
-    return [statistics.median(times) for times in zip(*rounds, strict=True)]
+    seconds = [statistics.median(t for t, _ in runs) for runs in zip(*rounds, strict=True)]
+    laps = [[statistics.median(parts) for parts in zip(*(laps for _, laps in runs), strict=True)]
+            for runs in zip(*rounds, strict=True)]
+    return seconds, [{"micro_batch_s": step[:-1], "optimizer_s": step[-1]} for step in laps if step]
 
 
 def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
@@ -217,7 +223,7 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
                                                device=device, bucket_elements=bucket)
     result["optimizer"] = _optimizer_step_s(engine, s, device)
     if s.steps:
-        result["steps"] = _whole_steps(engine, s, groups, device)
+        result["steps"], result["step_laps"] = _whole_steps(engine, s, groups, device)
     result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" \
         else f"{platform.machine()} cpu x{os.cpu_count() or 1}"
     result.update(_memory_rows(model, s, groups, device))
