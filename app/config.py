@@ -597,6 +597,10 @@ YAML12_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?"
 (a string field keeps them as written; ints such as `1_000` and `0x10` resolve as YAML 1.1 has them)."""
 
 
+YAML11_BOOL_WORDS = {False: ("off", "no", "false"), True: ("on", "yes", "true")}
+"""The words PyYAML turns into booleans, for a Literal field whose choices are words (calibration: off)."""
+
+
 def _coerce(value: Any, annotation: Any, where: str) -> Any:
     """Check `value` against a field annotation; ints are accepted where floats are expected."""
     origin = typing.get_origin(annotation)
@@ -618,6 +622,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
                 for k, v in value.items()}
     if origin is Literal:
         choices = typing.get_args(annotation)
+        if isinstance(value, bool):  # YAML 1.1 reads off/no/on/yes as booleans: the word was meant
+            value = next((word for word in YAML11_BOOL_WORDS[value] if word in choices), value)
         if value in choices:
             return value
         raise ConfigError(f"{where}={value!r} is not one of: {', '.join(map(str, choices))}")

@@ -187,7 +187,7 @@ class PlannerActor:
             self._consumed = first_step - 1  # highest step every rank has fetched
             self._planned = first_step - 1
             self._error: BaseException | None = None
-            self._calibration.begin(first_step, explore=settings.calibration and settings.policy == "skrull")
+            self._calibration.begin(explore=settings.calibration and settings.policy == "skrull")
             self._cond.notify_all()
         generation = self._generation
         threading.Thread(target=self._run, args=(generation,), name="skrull-planner", daemon=True).start()

@@ -33,13 +33,14 @@ class Calibration:
         self.record: dict[str, Any] | None = None
         self.profile: HardwareProfile | None = None
 
-    def begin(self, first_step: int, *, explore: bool) -> None:
-        """A (re)start planning from `first_step`: earlier plans and laps no longer match the steps."""
+    def begin(self, *, explore: bool) -> None:
+        """A (re)start of planning: earlier plans and laps no longer match the steps. Exploring covers the
+        run's first `window` steps (1..window, by step number: a restart inside them plans the same
+        candidates as the run before it did) while there is no fit."""
         with self._lock:
             self._planned.clear()
             self._timings.clear()
-            fresh = explore and self.record is None
-            self._explore = (first_step, first_step + self.window) if fresh else None
+            self._explore = (1, 1 + self.window) if explore and self.record is None else None
 
     def explore(self, step: int) -> int | None:
         """Skrull's candidate for `step` while exploring (module docstring), else None."""

@@ -122,3 +122,13 @@ def test_hardware_profiles_load_strictly(tmp_path: Path) -> None:
     broken.write_text("name: [x\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_hardware_profile(str(broken))
+
+
+def test_a_word_yaml_reads_as_a_boolean_is_the_word_where_a_choice_is_meant(tmp_path: Path) -> None:
+    """`calibration: off` is YAML 1.1's false to PyYAML: a Literal field of words takes the word."""
+    path = tmp_path / "run.yaml"
+    path.write_text("scheduling:\n  calibration: off\n")
+    assert load_config(path).scheduling.calibration == "off"
+    assert load_config(None, ["scheduling.calibration=off"]).scheduling.calibration == "off"
+    with pytest.raises(ConfigError, match="scheduling.calibration=True is not one of: online, off"):
+        load_config(None, ["scheduling.calibration=yes"])
