@@ -15,6 +15,11 @@ a CP rank with no token in a micro-batch (all sequences local to its peers) runs
 pad token with no target, whose loss is 0 but whose graph touches every parameter like a real one. A spare
 rank (workers/distributed.py) runs only idle micro-batches, as many as the trained ranks run.
 
+Dependent chunks (the chunkflow policy): a sequence's chunks, consecutive micro-batches of the payload,
+run as one unit in ChunkFlow's order (workers/chunkflow.py: forwards in order, backwards in reverse, the
+non-kept chunks recomputed), still one backward per micro-batch; the accumulation boundary is set on the
+step's last backward, whichever micro-batch it belongs to.
+
 Non-finite guard (workers/nonfinite.py): each micro-batch's backward loss is multiplied by 1, or by NaN when
 that loss is inf/NaN, so a bad loss always yields a non-finite gradient norm, which DeepSpeed's ZeRO step
 refuses to apply (`StepStats.applied`, from `engine.was_step_applied()`).
@@ -32,8 +37,9 @@ import numpy as np
 import torch
 
 from scheduling import DacpPlan
-from scheduling.payload import IGNORE_INDEX, RankPayload
+from scheduling.payload import IGNORE_INDEX, MicroBatchPayload, RankPayload
 from workers.batch import RankBatch, build_rank_batch
+from workers.chunkflow import micro_batch_units, run_chunked
 from workers.distributed import ParallelGroups
 from workers.forward import micro_batch_loss_sum
 from workers.laps import Laps
@@ -67,6 +73,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def rank_batch(micro_batch: MicroBatchPayload, cp_rank: int, cp_size: int,
+               device: torch.device) -> RankBatch:
+    """This rank's stream of one micro-batch on `device` (an empty one: the idle batch)."""
+    batch = build_rank_batch(micro_batch.plan, micro_batch.input_ids, micro_batch.labels,
+                             cp_rank=cp_rank, cp_size=cp_size)
+    return (idle_batch(cp_rank, cp_size) if batch.num_tokens == 0 else batch).to(device)
+
+
 def run_step(
     engine: object,
     payload: RankPayload,
@@ -82,18 +96,24 @@ def run_step(
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     count = len(payload.micro_batches)
     cp_rank, cp_size = (0, 1) if groups.is_spare else (groups.cp_rank, groups.cp_size)
-    for index, micro_batch in enumerate(payload.micro_batches):
-        batch = build_rank_batch(micro_batch.plan, micro_batch.input_ids, micro_batch.labels,
-                                 cp_rank=cp_rank, cp_size=cp_size)
-        if batch.num_tokens == 0:
-            batch = idle_batch(cp_rank, cp_size)
-        batch = batch.to(device)
-        engine.set_gradient_accumulation_boundary(index == count - 1)
-        micro_loss = micro_batch_loss_sum(engine.module, batch, runtime=groups.attention,
-                                          loss_chunk_tokens=loss_chunk_tokens)
+    done = 0
+
+    def backward(micro_loss: torch.Tensor) -> None:
+        nonlocal done, loss_sum
+        done += 1
+        engine.set_gradient_accumulation_boundary(done == count)
         engine.backward(micro_loss * scale * nan_if_nonfinite(micro_loss), scale_wrt_gas=False)
         loss_sum += micro_loss.detach().float()
         laps.mark()
+
+    for unit in micro_batch_units([mb.plan.chunk_on(cp_rank) for mb in payload.micro_batches]):
+        batches = [rank_batch(payload.micro_batches[i], cp_rank, cp_size, device) for i in unit]
+        if batches[0].chunk is not None:
+            run_chunked(engine.module, batches, runtime=groups.attention, loss_chunk_tokens=loss_chunk_tokens,
+                        backward=backward)
+        else:
+            backward(micro_batch_loss_sum(engine.module, batches[0], runtime=groups.attention,
+                                          loss_chunk_tokens=loss_chunk_tokens))
     engine.step()
     laps.mark()
     synchronize(device)
