@@ -299,6 +299,9 @@ class SchedulingConfig:
     reproducible plans."""
     calibration_window: int = 8
     """The newest steps the online fit uses (and skrull's exploration length)."""
+    chunkflow_keep: int = 1
+    """chunkflow policy: K, how many of a chunked sequence's last chunks keep their activations after the
+    forward; the others are recomputed before their backward (scheduling/chunkflow.py, docs/design.md)."""
 
     def __post_init__(self) -> None:
         from scheduling import POLICIES  # the policy registry is the one list of names
@@ -311,6 +314,8 @@ class SchedulingConfig:
         _require(self.static_cp_micro_batch >= 1, "scheduling.static_cp_micro_batch must be >= 1")
         _require(self.prefetch >= 1, "scheduling.prefetch must be >= 1")
         _require(self.planner_timeout_s > 0, "scheduling.planner_timeout_s must be > 0 seconds")
+        _require(self.chunkflow_keep >= 1,
+                 f"scheduling.chunkflow_keep must be >= 1, got {self.chunkflow_keep}")
         _require(self.calibration_window >= 2,
                  f"scheduling.calibration_window must be >= 2 steps, got {self.calibration_window}")
         if isinstance(self.cp_degrees, str):
@@ -500,6 +505,10 @@ class SkrullConfig:
             _ = self.cp_degrees  # each a power of two dividing parallel.cp_size, with 1 and cp_size
         except SchedulingError as err:
             raise ConfigError(str(err)) from None
+        _require(self.scheduling.policy != "chunkflow" or self.train.zero_stage < 3,
+                 "scheduling.policy=chunkflow runs its dependent chunks through the model directly, and "
+                 "ZeRO-3 counts its micro-steps in DeepSpeed's engine.forward: use train.zero_stage=2 with "
+                 "chunkflow")
         dp = self.parallel.dp_size
         _require(self.scheduling.global_batch_size >= dp,
                  f"scheduling.global_batch_size={self.scheduling.global_batch_size} is smaller than the DP "
@@ -531,14 +540,19 @@ class SkrullConfig:
 
     @property
     def max_sequence_length(self) -> int:
-        """The longest sequence a run accepts: data.max_length, capped by what fits one CP group (C * N).
+        """The longest sequence a run accepts: data.max_length, capped by what fits one CP group (C * N)
+        unless the policy cuts long sequences into chunks (chunkflow: data.max_length as set, 0 is C * N).
 
         scheduling.bucket_size=auto must have been derived first (app/profiling/memory.py
         resolve_bucket_size: the commands and `train` do it)."""
+        from scheduling.policies import ANY_LENGTH
+
         if self.scheduling.bucket_size == "auto":
             raise ConfigError("scheduling.bucket_size=auto is derived from memory before the run's longest "
                               "sequence is known (app/profiling/memory.py resolve_bucket_size)")
         hard = self.scheduling.bucket_size * self.parallel.cp_size
+        if self.scheduling.policy in ANY_LENGTH:
+            return self.data.max_length or hard
         return min(self.data.max_length, hard) if self.data.max_length else hard
 
     def to_dict(self) -> dict[str, Any]:

@@ -93,6 +93,8 @@ class PlannerSettings:
     """scheduling.calibration=online (module docstring); False: the profile as given, today's plans."""
     calibration_window: int = 8
     """scheduling.calibration_window: the newest steps the fit uses, and skrull's exploration length."""
+    chunkflow_keep: int = 1
+    """scheduling.chunkflow_keep: the chunkflow policy's K (scheduling/chunkflow.py)."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.global_batch_size < self.dp_size or self.prefetch < 1:
@@ -338,6 +340,7 @@ class PlannerActor:
             s.policy, lengths, dp_size=s.dp_size, cp_size=s.cp_size, bucket_size=s.bucket_size,
             cost=cost, seed=s.seed + step, static_cp_micro_batch=s.static_cp_micro_batch, labels=labels,
             cp_degrees=s.cp_degrees, baselines=s.calibration, explore=self._calibration.explore(step),
+            chunkflow_keep=s.chunkflow_keep,
         )
         plan_ms = (time.perf_counter() - started) * 1e3
         estimate = simulate(step_plan, lengths, cost, labels=labels)

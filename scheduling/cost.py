@@ -296,6 +296,24 @@ class CostModel:
         return {"linear": layers * (4 * h * h + 4 * h * hkv + 6 * h * self.mlp_size) * s,
                 "attention": layers * attention, "lm_head": 2 * h * self.vocab * label_tokens}
 
+    def chunk_flop_terms(self, length: int, start: int, stop: int,
+                         labels: float | None = None) -> dict[str, float]:
+        """flop_terms of tokens [start, stop) of a sequence of `length` tokens (`labels` label tokens; None:
+        every token), whose queries also attend to the `start` keys before them (a dependent chunk).
+
+        Linear and attention terms are differences of the whole-prefix counts, F(stop) - F(start): the
+        causal attention of the chunk's queries over [0, stop) is its c*start + c(c+1)/2 query-key pairs
+        under the model formula (the paper formula's full-square count telescopes the same way), so a
+        later chunk costs more and the chunks of a sequence sum to the sequence's own FLOPs. The LM head
+        takes the chunk's share of the label tokens (labels * c / length: the plan knows counts, not where
+        the labels sit).
+        """
+        upper, lower = self.flop_terms(float(stop)), self.flop_terms(float(start))
+        share = (float(length) if labels is None else float(labels)) * (stop - start) / max(length, 1)
+        return {"linear": upper["linear"] - lower["linear"],
+                "attention": upper["attention"] - lower["attention"],
+                "lm_head": self.flop_terms(float(stop - start), share)["lm_head"]}
+
     def sequence_flops(self, lengths: Sequence[int], labels: Sequence[int] | None = None) -> list[float]:
         """flops() of every sequence of a batch, as a list the planners index by sequence."""
         lens = np.asarray(lengths, dtype=np.float64)
@@ -314,6 +332,11 @@ class CostModel:
     def t_comp(self, flops: float) -> float:
         p = self.profile
         return flops * p.train_flops_factor / (p.peak_flops * p.mfu)
+
+    def t_forward(self, flops: float) -> float:
+        """One extra forward of `flops` FLOPs (a recomputed chunk's): t_comp without the backward."""
+        p = self.profile
+        return flops / (p.peak_flops * p.mfu)
 
     def overlapped(self, comm_s: float, local_s: float) -> float:
         """Ring and local compute run together: max(comm, local) when the profile's ring_overlap is 1,

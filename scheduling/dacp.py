@@ -116,15 +116,16 @@ def dacp_assign(order: Sequence[int], lengths: Sequence[int], flops: Sequence[fl
     return state
 
 
-def check_fits(lengths: Sequence[int], cp_size: int, bucket_size: int) -> None:
-    """SchedulingError naming the knobs when a sequence can never fit one CP group (S > C*N)."""
+def check_fits(lengths: Sequence[int], cp_size: int, bucket_size: int, *, bounded: bool = True) -> None:
+    """SchedulingError naming the knobs when a sequence can never fit one CP group (S > C*N); `bounded`
+    False (a policy that cuts long sequences into chunks of C) checks only the knobs and empty sequences."""
     if cp_size < 1:
         raise SchedulingError(f"parallel.cp_size must be >= 1, got {cp_size}")
     if bucket_size < 1:
         raise SchedulingError(f"scheduling.bucket_size must be >= 1, got {bucket_size}")
     tokens = np.asarray(lengths).astype(np.int64).reshape(-1)  # astype truncates like int()
     longest = int(tokens.max()) if len(tokens) else 0
-    if longest > bucket_size * cp_size:
+    if bounded and longest > bucket_size * cp_size:
         raise SchedulingError(
             f"a sequence of {longest} tokens exceeds scheduling.bucket_size * parallel.cp_size = "
             f"{bucket_size} * {cp_size} = {bucket_size * cp_size}: raise scheduling.bucket_size or "

@@ -5,6 +5,8 @@ rank r, the rank's payload carries, per micro-batch, the DACP plan of that micro
 only the sequences rank r needs: its own local sequences (whole) plus every distributed sequence and every
 sequence of a partial entry (DacpPlan.partial) whose subgroup holds r (the worker cuts its shards).
 Sequences local to the other CP ranks, and those sharded over subgroups without r, are not shipped.
+A dependent chunk (DacpPlan.chunks, the chunkflow policy) ships its whole sequence, whose targets are
+shifted before the worker cuts the chunk out; the sequence's micro-batches share one array (pickled once).
 
     global batch  [s0 s1 s2 s3 s4 s5 s6 s7]            (indices into the batch)
     DP rank 0, micro-batch 0:  local=((s0, s5), (s2,))   distributed=(s7,)
@@ -170,8 +172,8 @@ def build_rank_payloads(
     tokens = sum(sample.num_tokens for sample in samples)
     subgroup_tokens = sum(samples[i].num_tokens for per_dp in step_plan.micro_batches for mb in per_dp
                           for entry in mb.partial for i in entry.indices)
-    sample_ids = tuple(
-        tuple(samples[i].sample_id for mb in per_dp for i in mb.indices)
+    sample_ids = tuple(  # a chunked sequence (chunkflow) sits in several micro-batches: listed once
+        tuple(dict.fromkeys(samples[i].sample_id for mb in per_dp for i in mb.indices))
         for per_dp in step_plan.micro_batches
     )
     payloads: dict[tuple[int, int], RankPayload] = {}

@@ -17,10 +17,14 @@
 | balanced_packed  | LPT by modeled FLOPs  | best-fit decreasing to C per rank    | all sharded           |
 | dynamic_cp       | LPT by S^2            | equal-work buckets by S^2/d, packed  | each sequence at the  |
 |                  |                       | to C per rank (Megatron-style)       | smallest 2^k fitting C|
+| chunkflow        | LPT by tokens over    | one chunk of <= C tokens each: long  | nothing sharded; a    |
+|                  | all D x N ranks (CP   | sequences cut into dependent chunks, | chunk attends to its  |
+|                  | ranks act as DP)      | short ones packed best-fit           | sequence's earlier K/V|
 
 skrull lives in scheduling.skrull, roundrobin and gds_only are plan_gds options (scheduling.gds),
 balanced_packed (the strongest conventional baseline) is scheduling.balanced_packed, dynamic_cp
-(Megatron-style per-sequence CP degrees) is scheduling.dynamic_cp, the rest are
+(Megatron-style per-sequence CP degrees) is scheduling.dynamic_cp, chunkflow (ChunkFlow's dependent
+chunks) is scheduling.chunkflow, the rest are
 scheduling.baselines. Every registry entry takes one PlanRequest (the batch and every knob a policy may
 read) and passes on the knobs it uses, so plan_step is one lookup; POLICIES is the registry's names in
 order. A new policy is one module and one entry here.
@@ -34,6 +38,7 @@ from typing import Protocol
 
 from scheduling.balanced_packed import balanced_packed
 from scheduling.baselines import dacp_only, sorted_batching, static_cp, static_cp_packed
+from scheduling.chunkflow import chunkflow
 from scheduling.cost import CostModel
 from scheduling.dacp import Placement, check_fits
 from scheduling.dynamic_cp import dynamic_cp
@@ -63,6 +68,8 @@ class PlanRequest:
     """skrull only: balanced_packed and dynamic_cp are candidates too (online calibration)."""
     explore: int | None = None
     """skrull only: return its candidate plan explore mod 4 (online calibration's first steps)."""
+    chunkflow_keep: int = 1
+    """scheduling.chunkflow_keep: chunkflow's K, the chunks of a sequence that keep their activations."""
 
     @property
     def shape(self) -> dict[str, int]:
@@ -114,6 +121,10 @@ def _dynamic_cp(r: PlanRequest) -> StepPlan:
     return dynamic_cp(r.lengths, **r.shape, cp_degrees=r.cp_degrees)
 
 
+def _chunkflow(r: PlanRequest) -> StepPlan:
+    return chunkflow(r.lengths, **r.shape, keep=r.chunkflow_keep)
+
+
 REGISTRY: dict[str, Policy] = {
     "skrull": _skrull,
     "static_cp": _static_cp,
@@ -124,10 +135,15 @@ REGISTRY: dict[str, Policy] = {
     "gds_only": _gds_only,
     "balanced_packed": _balanced_packed,
     "dynamic_cp": _dynamic_cp,
+    "chunkflow": _chunkflow,
 }
 """Policy name (the value of `scheduling.policy`) -> planning function."""
 
 POLICIES = tuple(REGISTRY)
+
+ANY_LENGTH = frozenset({"chunkflow"})
+"""Policies that train a sequence of any length (they cut it into chunks of at most C tokens), so neither
+the planner nor the data pipeline caps sequences at C * N for them (app/config.py max_sequence_length)."""
 
 
 def check_policy(name: str) -> str:
@@ -141,7 +157,7 @@ def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int
               cost: CostModel, seed: int = 0, static_cp_micro_batch: int = 1,
               labels: Sequence[int] | None = None,
               cp_degrees: str | Sequence[int] | None = None, baselines: bool = False,
-              explore: int | None = None) -> StepPlan:
+              explore: int | None = None, chunkflow_keep: int = 1) -> StepPlan:
     """Plan one global batch with `policy` (one of POLICIES); indices in the plan refer to `lengths`.
 
     `labels`: label tokens per sequence, for the model cost formula's LM head (None: every token).
@@ -149,13 +165,13 @@ def plan_step(policy: str, lengths: Sequence[int], *, dp_size: int, cp_size: int
     the paper's two-level DACP; "auto": every power of two; docs/design.md §13) and dynamic_cp's degree set
     (None: every power of two); the other policies shard over the whole CP group.
     `baselines`: skrull also weighs balanced_packed and dynamic_cp; `explore`: skrull's candidate explore
-    mod 4 instead of its fastest (scheduling/skrull.py).
+    mod 4 instead of its fastest (scheduling/skrull.py). `chunkflow_keep`: scheduling.chunkflow_keep.
     """
     planner = REGISTRY[check_policy(policy)]
     if dp_size < 1:
         raise SchedulingError(f"DP size must be >= 1 (parallel.num_workers / parallel.cp_size): {dp_size}")
-    check_fits(lengths, cp_size, bucket_size)
+    check_fits(lengths, cp_size, bucket_size, bounded=policy not in ANY_LENGTH)
     return planner(PlanRequest(lengths=lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
                                cost=cost, seed=seed, static_cp_micro_batch=static_cp_micro_batch,
                                labels=labels, cp_degrees=cp_degrees, baselines=baselines,
-                               explore=explore))
+                               explore=explore, chunkflow_keep=chunkflow_keep))

@@ -162,6 +162,8 @@ class _Observations:
         self.seconds: list[float] = []
         for timing in timings:
             step = planned[timing.step]
+            if step.plan.has_chunks:  # chunkflow: laps follow its chunk schedule, not the plan's order
+                continue
             flops = cost.sequence_flops(step.lengths, step.labels)
             kv = cost.kv_bytes(np.asarray(step.lengths, dtype=np.float64)).tolist()
             plan, world = step.plan, step.plan.dp_size * step.plan.cp_size

@@ -55,6 +55,13 @@ bounds stay lower bounds, with the longest sequence's term taken over every allo
 `simulate` allows 1, N, every degree the plan uses and `cp_degrees` (plan_report passes the config's, so
 every policy of one report gets the same bound).
 
+Dependent chunks (the chunkflow policy, DacpPlan.chunks): nothing is sharded, so rank j of such a
+micro-batch takes T_comp(F_j) + b, F_j its standalone chunk's FLOPs or its dependent chunk's
+(CostModel.chunk_flop_terms: a later chunk's queries also attend to every earlier chunk's keys), plus one
+extra forward of the chunk's decoder FLOPs (CostModel.t_forward) when the chunk is recomputed. Both bounds
+stay lower bounds: a chunked sequence's chunks sum to its own FLOPs and each pays b, so its rank spends at
+least T_comp(F) + b on it, the "kept local" case of the proof.
+
 bound_ratio = step / bound (what the issue asks for; >= 1) also counts what no plan can avoid when one
 sequence outweighs a DP group's fair share; bound_ratio_feasible = step / feasible_bound does not.
 
@@ -175,6 +182,23 @@ def plan_times(plan: DacpPlan, flops: Sequence[float], kv: Any, clock: SubgroupC
     return mixed_placement_times(plan.local, plan.distributed, partial, flops, kv, clock)
 
 
+def chunk_rank_times(plan: DacpPlan, lengths: Sequence[int], labels: Sequence[int] | None,
+                     flops: Sequence[float], cost: CostModel, clock: Clock) -> list[float]:
+    """Time_j of every CP rank of a micro-batch with dependent chunks (module docstring): T_comp of its
+    standalone or dependent chunk, + one decoder forward if the chunk is recomputed, + b."""
+    times = []
+    for seqs, span in zip(plan.local, plan.chunks, strict=True):
+        if span is None:
+            times.append(clock.comp(sum(flops[i] for i in seqs)) + clock.overhead)
+            continue
+        (index,) = seqs
+        terms = cost.chunk_flop_terms(int(lengths[index]), span.start, span.stop,
+                                      None if labels is None else labels[index])
+        extra = cost.t_forward(terms["linear"] + terms["attention"]) if span.recompute else 0.0
+        times.append(clock.comp(sum(terms.values())) + clock.overhead + extra)
+    return times
+
+
 def micro_batch_time(local: Sequence[Sequence[int]], distributed: Sequence[int], flops: Sequence[float],
                      kv: Any, clock: Clock) -> float:
     """Modeled seconds of one micro-batch: max_j Time_j (placement_times)."""
@@ -247,8 +271,11 @@ def simulate(step: StepPlan, lengths: Sequence[int], cost: CostModel,
         total = 0.0
         sclock = SubgroupClock(cost, step.cp_size, world, dp) if used else None
         for mb in rank:
-            times = (plan_times(mb, flops, kv, sclock) if sclock is not None and mb.partial
-                     else placement_times(mb.local, mb.distributed, flops, kv, clock))
+            if mb.chunks:
+                times = chunk_rank_times(mb, lengths, labels, flops, cost, clock)
+            else:
+                times = (plan_times(mb, flops, kv, sclock) if sclock is not None and mb.partial
+                         else placement_times(mb.local, mb.distributed, flops, kv, clock))
             total += max(times)
             worst_total += max(times)
             mean_total += sum(times) / len(times)

@@ -1,9 +1,15 @@
 """`bench train`: every policy trains the same global batches in one worker group, interleaved.
 
 The smoke test runs the real command (`python -m app bench train --json --plot`) on the tiny CPU config with
-the benchmark's small vocabulary (so no LM head of 152k words dominates), 8 sequences a step, 1 warm-up + 2
-counted steps of six policies, at DP=1 x CP=4 (four workers): one Ray session (Ray, Ray Data, the worker
-group and 6 engines per worker start once; the steps themselves take well under a second).
+the benchmark's small vocabulary (so no LM head of 152k words dominates), 8 sequences a step, 1 warm-up + 5
+counted steps of seven policies (calibration off: no calibration window before the counted steps), at
+DP=1 x CP=4 (four workers): one Ray session (Ray, Ray Data, the worker group and 7 engines per worker
+start once; the steps themselves take well under a second).
+
+It is also the 6-step training run of the chunkflow policy beside skrull on the same batches: with
+ChunkSize = BucketSize 128 and lengths up to 512, chunkflow cuts every longer sequence into up to 4
+dependent chunks on one of its 4 ranks (each CP rank is a ChunkFlow rank), and its losses must equal the
+others' as theirs do (tests/test_chunkflow_step.py checks its gradients exactly).
 
 It is also the end-to-end test of per-sequence CP degrees (docs/design.md §13): skrull plans with
 `scheduling.cp_degrees: auto`, and with BucketSize 128 and LMSYS-like lengths up to 512 some sequences
@@ -31,12 +37,14 @@ from app.commands.bench_train import BASELINES, format_report, plot_bench, summa
 from app.rundir.files import jsonable
 
 REPO = Path(__file__).resolve().parent.parent
-POLICIES = ("skrull", "balanced_packed", "static_cp_packed", "static_cp", "sorted", "dynamic_cp")
+POLICIES = ("skrull", "balanced_packed", "static_cp_packed", "static_cp", "sorted", "dynamic_cp", "chunkflow")
+COUNTED = 5
+"""Counted steps after the warm-up: a 6-step run of every policy."""
 PUBLIC_KEYS = {"step_s_median", "tokens_per_s", "predicted_step_s", "prediction_error",
                "speedup_vs_balanced_packed",
                "speedup_vs_static_cp_packed", "speedup_vs_static_cp", "speedup_vs_sorted",
-               "speedup_vs_dynamic_cp", "planner_wait_s_median"}
-TINY = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--set", "data.num_samples=24",
+               "speedup_vs_dynamic_cp", "speedup_vs_chunkflow", "planner_wait_s_median"}
+TINY = ["--config", str(REPO / "configs/tiny-cpu.yaml"), "--set", "data.num_samples=48",
         "--set", "data.length_scale=0.1", "--set", "scheduling.global_batch_size=8",
         "--set", f"data.tokenizer={REPO / 'configs/bench/synth-bpe-773.json'}"]
 CP4_MIXED = ["--set", "data.length_scale=0.25", "--set", "parallel.num_workers=4",
@@ -58,14 +66,15 @@ def test_bench_train_json_smoke(local_ray, tmp_path: Path, capsys) -> None:
     plot = tmp_path / "bench.png"
     argv = ["bench", "train", *TINY, *CP4_MIXED, "--set", f"hardware.profile={_slow_link_profile(tmp_path)}",
             "--set", f"run.storage_path={tmp_path / 'runs'}",
-            "--policies", ",".join(POLICIES), "--steps", "2", "--json", "--plot", str(plot)]
+            "--policies", ",".join(POLICIES), "--steps", str(COUNTED), "--calibration", "off", "--json",
+            "--plot", str(plot)]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rows = result["policies"]
     assert list(rows) == list(POLICIES)
     for policy, row in rows.items():
         assert set(row) >= PUBLIC_KEYS, (policy, PUBLIC_KEYS - set(row))
-        assert row["steps"] == 2 and row["step_s_median"] > 0 and row["tokens_per_s"] > 0
+        assert row["steps"] == COUNTED and row["step_s_median"] > 0 and row["tokens_per_s"] > 0
         assert row["predicted_step_s"] > 0
         assert row["prediction_error"] == pytest.approx(row["predicted_step_s"] / row["step_s_median"] - 1)
         for baseline in BASELINES:
@@ -73,9 +82,9 @@ def test_bench_train_json_smoke(local_ray, tmp_path: Path, capsys) -> None:
             assert row[f"speedup_vs_{baseline}"] == pytest.approx(expected)
     # Step n of every policy is the same global batch (the warm-up step 1 is left out) ...
     per_step = [row["per_step"] for row in rows.values()]
-    assert all(steps["step"] == [2, 3] for steps in per_step)
+    assert all(steps["step"] == list(range(2, COUNTED + 2)) for steps in per_step)
     assert all(steps["sample_ids"] == per_step[0]["sample_ids"] for steps in per_step)
-    assert per_step[0]["sample_ids"] == [list(range(8, 16)), list(range(16, 24))]
+    assert per_step[0]["sample_ids"] == [list(range(8 * s, 8 * s + 8)) for s in range(1, COUNTED + 1)]
     assert result["same_samples"] is True
     # ... and scheduling never changes a step's math: fp32 losses agree up to summation order.
     for steps in per_step[1:]:
@@ -85,7 +94,7 @@ def test_bench_train_json_smoke(local_ray, tmp_path: Path, capsys) -> None:
     # (static_cp's never do): the mixed-degree runtime trained the same losses as the others
     assert (result["dp_size"], result["cp_size"]) == (1, 4)
     assert max(rows["skrull"]["per_step"]["subgroup_token_fraction"]) > 0, rows["skrull"]["per_step"]
-    assert rows["static_cp"]["per_step"]["subgroup_token_fraction"] == [0.0, 0.0]
+    assert rows["static_cp"]["per_step"]["subgroup_token_fraction"] == [0.0] * COUNTED
     assert plot.stat().st_size > 0
     assert (Path(result["run_dir"]) / "bench_train.json").exists()
 

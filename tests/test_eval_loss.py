@@ -64,7 +64,7 @@ def _sample(sample_id: int, length: int) -> Sample:
     return Sample(sample_id=sample_id, input_ids=np.arange(length, dtype=np.int64) % 50, labels=labels)
 
 
-@pytest.mark.parametrize("policy", ["skrull", "static_cp"])
+@pytest.mark.parametrize("policy", ["skrull", "static_cp", "chunkflow"])
 def test_the_eval_plan_covers_every_eval_sample_once_per_rank_group(policy: str) -> None:
     from app.config import SkrullConfig
     from app.profiling.hardware import cost_model

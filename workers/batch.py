@@ -19,6 +19,11 @@ With N = 4, a degree-2 entry of group 1 holding e (S_e = 7, padded 8, c = 2):
     rank 2:  [ ...locals... | ...distributed shards... | e0 e1 | e6 P ]      (j = 0: chunks 0 and 3)
     rank 3:  [ ...locals... | ...distributed shards... | e2 e3 | e4 e5 ]     (j = 1: chunks 1 and 2)
 
+A dependent chunk (the chunkflow policy: `plan.chunk_on(r)` is a ChunkSpan [s, s + c) of the rank's one
+local sequence) is the stream of those c tokens at their true positions s.., with the targets of the
+whole sequence's shift (the chunk's last target is the next chunk's first label); `to(device)` also builds
+the full block of its c queries against the s earlier keys (`prior`, workers/attention/chunked.py).
+
 `seq_index` / `position_ids` are the inverse mapping: stream token t is token position_ids[t] of the
 caller's sequence seq_index[t] (-1 for pads); tests use it to scatter results back.
 
@@ -37,7 +42,7 @@ import numpy as np
 import torch
 
 from scheduling.payload import IGNORE_INDEX
-from workers.attention.index import DacpIndex
+from workers.attention.index import DacpIndex, VarlenBlock
 from workers.attention.layout import DacpLayout, RingPart
 from workers.transfer import to_device
 
@@ -48,6 +53,16 @@ class PlanLike(Protocol):
 
     local: tuple[tuple[int, ...], ...]
     distributed: tuple[int, ...]
+
+
+class ChunkLike(Protocol):
+    """A dependent chunk's span (scheduling.ChunkSpan satisfies it)."""
+
+    chunk: int
+    num_chunks: int
+    start: int
+    stop: int
+    recompute: bool
 
 
 class SubgroupLike(Protocol):
@@ -75,6 +90,11 @@ class RankBatch:
     """Tokens of this rank with a target (targets != -100)."""
     index: DacpIndex | None = None
     """The layout's device index, built by `to(device)`: what every attention call reads."""
+    chunk: ChunkLike | None = None
+    """The span when this stream is one dependent chunk of a sequence (module docstring)."""
+    prior: VarlenBlock | None = None
+    """A chunk's queries x its sequence's earlier keys (full block), built by `to(device)`; None for
+    chunk 0 and for every stream that is not a chunk."""
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +108,13 @@ class RankBatch:
         return replace(self, input_ids=ids, position_ids=to_device(self.position_ids, device),
                        targets=to_device(self.targets, device), seq_index=to_device(self.seq_index, device),
                        label_rows=to_device(self.label_rows, device),
-                       index=DacpIndex.build(self.layout, ids.device))
+                       index=DacpIndex.build(self.layout, ids.device), prior=self._prior(ids.device))
+
+    def _prior(self, device: torch.device) -> VarlenBlock | None:
+        """A chunk's queries x its sequence's earlier keys: one full segment (None: no earlier keys)."""
+        if self.chunk is None or not self.chunk.start:
+            return None
+        return VarlenBlock.build((0, self.num_tokens), (0, self.chunk.start), causal=False, device=device)
 
 
 def padded_length(length: int, cp_size: int) -> int:
@@ -141,6 +167,10 @@ def build_rank_batch(
         raise ValueError(f"plan has {len(plan.local)} CP ranks but cp_size={cp_size} (parallel.cp_size)")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} outside [0, {cp_size})")
+    chunk_on = getattr(plan, "chunk_on", None)
+    span: ChunkLike | None = chunk_on(cp_rank) if chunk_on is not None else None
+    if span is not None:
+        return _chunk_batch(plan.local[cp_rank], span, input_ids, labels, cp_size)
     partial_on = getattr(plan, "partial_on", None)
     entries: tuple[SubgroupLike, ...] = partial_on(cp_rank) if partial_on is not None else ()
     columns: list[list[np.ndarray]] = [[], [], [], []]
@@ -178,3 +208,22 @@ def build_rank_batch(
     label_rows = torch.from_numpy(np.flatnonzero(tgt_T.numpy() != IGNORE_INDEX).astype(np.int64))
     return RankBatch(input_ids=ids_T, position_ids=pos_T, targets=tgt_T, seq_index=seq_T, layout=layout,
                      label_rows=label_rows, num_label_tokens=int(label_rows.shape[0]))
+
+
+def _chunk_batch(local: tuple[int, ...], span: ChunkLike, input_ids: Sequence, labels: Sequence,
+                 cp_size: int) -> RankBatch:
+    """The stream of one dependent chunk: tokens [start, stop) of the rank's one local sequence."""
+    (index,) = local
+    ids, lab = _sequence(input_ids, labels, index)
+    if span.stop > ids.size:
+        raise ValueError(f"chunk [{span.start}, {span.stop}) of sequence {index} is beyond its "
+                         f"{ids.size} tokens")
+    rows = slice(span.start, span.stop)
+    tgt = shifted_targets(lab)[rows]
+    label_rows = torch.from_numpy(np.flatnonzero(tgt != IGNORE_INDEX).astype(np.int64))
+    return RankBatch(input_ids=torch.from_numpy(ids[rows].copy()),
+                     position_ids=torch.arange(span.start, span.stop, dtype=torch.int64),
+                     targets=torch.from_numpy(tgt.copy()),
+                     seq_index=torch.full((span.stop - span.start,), index, dtype=torch.int64),
+                     layout=DacpLayout(cp_size=cp_size, local_lens=(span.stop - span.start,)),
+                     label_rows=label_rows, num_label_tokens=int(label_rows.shape[0]), chunk=span)

@@ -12,9 +12,10 @@ That is the training loss normalization (workers/step.py) over the whole eval se
 eval label token divided by their count, independent of the DP x CP shape and the plan. The micro-batches
 run in plan order on every CP rank of a group, so the ring's transfers pair up as in training; a rank
 without a token in a micro-batch runs the one-token idle batch (no target), as a training step does, so
-every rank of the CP group makes the same attention calls (and, at ZeRO-3, the same weight gathers). A spare
-rank computes only idle batches and adds 0 to the all_reduce. The model is put in eval mode (dropout off)
-for the pass and restored after.
+every rank of the CP group makes the same attention calls (and, at ZeRO-3, the same weight gathers). A
+chunked sequence (the chunkflow policy) runs its chunks in order with its K/V store (workers/chunkflow.py).
+A spare rank computes only idle batches and adds 0 to the all_reduce. The model is put in eval mode
+(dropout off) for the pass and restored after.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from scheduling.payload import RankPayload
-from workers.batch import build_rank_batch
+from workers.chunkflow import chunked_loss_sum, micro_batch_units
 from workers.distributed import ParallelGroups
-from workers.step import engine_loss_sum, idle_batch
+from workers.step import engine_loss_sum, rank_batch
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine
@@ -73,19 +74,21 @@ def eval_loss_sum(engine: Any, payloads: tuple[RankPayload, ...], groups: Parall
     micro-batch: workers/step.py engine_loss_sum), in eval mode."""
     cp_rank, cp_size = (0, 1) if groups.is_spare else (groups.cp_rank, groups.cp_size)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    model = engine.module
+    model = getattr(engine, "module", engine)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             for payload in payloads:
-                for micro_batch in payload.micro_batches:
-                    batch = build_rank_batch(micro_batch.plan, micro_batch.input_ids, micro_batch.labels,
-                                             cp_rank=cp_rank, cp_size=cp_size)
-                    if batch.num_tokens == 0:
-                        batch = idle_batch(cp_rank, cp_size)
-                    loss_sum += engine_loss_sum(engine, batch.to(device), runtime=groups.attention,
-                                                loss_chunk_tokens=loss_chunk_tokens).float()
+                spans = [mb.plan.chunk_on(cp_rank) for mb in payload.micro_batches]
+                for unit in micro_batch_units(spans):
+                    batches = [rank_batch(payload.micro_batches[i], cp_rank, cp_size, device) for i in unit]
+                    if batches[0].chunk is not None:
+                        loss_sum += chunked_loss_sum(model, batches, runtime=groups.attention,
+                                                     loss_chunk_tokens=loss_chunk_tokens)
+                    else:
+                        loss_sum += engine_loss_sum(engine, batches[0], runtime=groups.attention,
+                                                    loss_chunk_tokens=loss_chunk_tokens).float()
     finally:
         model.train(was_training)
     return loss_sum

@@ -5,13 +5,15 @@
     loss_sum = sum over label_rows t of CE(lm_head(hidden[t]), targets[t])             # chunked, fp32
 
 The caller divides by the global batch's label-token count (docs/design.md section 7), never per
-micro-batch.
+micro-batch. A dependent chunk (batch.chunk, the chunkflow policy) also passes its sequence's K/V store
+(workers/attention/chunked.py) to every attention call.
 """
 
 from __future__ import annotations
 
 import torch
 
+from workers.attention.chunked import ChunkCall, ChunkKV
 from workers.attention.runtime import AttentionRuntime
 from workers.batch import RankBatch
 from workers.loss import LOSS_HEAD, linear_cross_entropy_sum
@@ -19,12 +21,13 @@ from workers.loss import LOSS_HEAD, linear_cross_entropy_sum
 
 def micro_batch_loss_sum(
     model: torch.nn.Module, batch: RankBatch, *, runtime: AttentionRuntime | None = None,
-    loss_chunk_tokens: int = 4096,
+    loss_chunk_tokens: int = 4096, store: ChunkKV | None = None,
 ) -> torch.Tensor:
     """fp32 sum of token cross-entropies over batch.targets on this rank (differentiable).
 
     `model` is the HF causal LM, or a wrapper exposing it as `.module` (a DeepSpeed engine). `runtime`
-    is the worker's attention runtime (kernel + CP ring); None: single rank, "auto" kernel.
+    is the worker's attention runtime (kernel + CP ring); None: single rank, "auto" kernel. `store`: the
+    K/V store of the sequence a dependent chunk belongs to (required exactly when batch.chunk is set).
     """
     model = getattr(model, "module", model)
     device = model.get_input_embeddings().weight.device
@@ -34,12 +37,22 @@ def micro_batch_loss_sum(
         # and eval never come here (they run the one-token idle batch, workers/step.py): this runs no module,
         # which ZeRO-3's per-module weight gathers would need on every rank alike.
         return sum(p.sum() for p in model.parameters() if p.requires_grad) * 0.0
-    decoder = model.get_decoder()
-    outputs = decoder(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
-                      use_cache=False, dacp_index=batch.index, dacp_runtime=runtime)
-    hidden_TE = outputs.last_hidden_state[0]
+    hidden_TE = decoder_hidden(model, batch, runtime=runtime, store=store)
     head = getattr(model, LOSS_HEAD, None)
     if head is not None:  # a model of workers/models.py: the loss runs as its module (ZeRO-3 gathers for it)
         return head(hidden_TE, batch.targets, batch.label_rows, loss_chunk_tokens)
     return linear_cross_entropy_sum(hidden_TE, model.get_output_embeddings(), batch.targets,
                                     loss_chunk_tokens, label_rows=batch.label_rows)
+
+
+def decoder_hidden(model: torch.nn.Module, batch: RankBatch, *, runtime: AttentionRuntime | None,
+                   store: ChunkKV | None = None) -> torch.Tensor:
+    """The decoder's last hidden states [T, E] of a device batch (the LM head not applied)."""
+    if (batch.chunk is None) != (store is None):
+        raise ValueError("a dependent chunk's batch needs its sequence's K/V store, and only it takes one")
+    chunk = None if store is None else ChunkCall(store=store, start=batch.chunk.start, stop=batch.chunk.stop,
+                                                 prior=batch.prior)
+    outputs = model.get_decoder()(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                  use_cache=False, dacp_index=batch.index, dacp_runtime=runtime,
+                                  dacp_chunk=chunk)
+    return outputs.last_hidden_state[0]

@@ -140,7 +140,8 @@ def computed_tokens(payload: RankPayload, *, spare: bool = False) -> int:
     for micro_batch in payload.micro_batches:
         plan, cp_rank = micro_batch.plan, payload.cp_rank
         cp_size = len(plan.local)
-        local = sum(len(micro_batch.input_ids[i]) for i in plan.local[cp_rank])
+        span = plan.chunk_on(cp_rank)  # a dependent chunk runs only its own tokens
+        local = span.num_tokens if span else sum(len(micro_batch.input_ids[i]) for i in plan.local[cp_rank])
         shards = sum(padded_length(len(micro_batch.input_ids[i]), cp_size) // cp_size
                      for i in plan.distributed)
         total += max(local + shards, 1)

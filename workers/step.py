@@ -24,6 +24,13 @@ Each micro-batch's forward goes through DeepSpeed's `engine(...)` (`engine_loss_
 micro-steps there (the first backward of a step stores the reduced gradient partition, the later ones add
 to it; skipped, every micro-batch's gradient replaced the one before) and resets its gradient-hook counts.
 
+Dependent chunks (the chunkflow policy): a sequence's chunks, consecutive micro-batches of the payload,
+run as one unit in ChunkFlow's order (workers/chunkflow.py: forwards in order, backwards in reverse, the
+non-kept chunks recomputed), still one backward per micro-batch; the accumulation boundary is set on the
+step's last backward, whichever micro-batch it belongs to. Their losses run through the module directly
+(workers/chunkflow.py), so chunkflow is refused at ZeRO-3 (app/config.py), whose micro-step bookkeeping
+lives in engine.forward.
+
 Non-finite guard (workers/nonfinite.py): each micro-batch's backward loss is multiplied by 1, or by NaN when
 that loss is inf/NaN, so a bad loss always yields a non-finite gradient norm, which DeepSpeed's ZeRO step
 refuses to apply (`StepStats.applied`, from `engine.was_step_applied()`).
@@ -42,9 +49,10 @@ import numpy as np
 import torch
 
 from scheduling import DacpPlan
-from scheduling.payload import IGNORE_INDEX, RankPayload
+from scheduling.payload import IGNORE_INDEX, MicroBatchPayload, RankPayload
 from workers.attention.runtime import AttentionRuntime
 from workers.batch import RankBatch, build_rank_batch
+from workers.chunkflow import micro_batch_units, run_chunked
 from workers.distributed import ParallelGroups
 from workers.forward import micro_batch_loss_sum
 from workers.laps import Laps
@@ -72,6 +80,12 @@ def idle_batch(cp_rank: int, cp_size: int, pad_id: int = 0) -> RankBatch:
     return build_rank_batch(plan, ids, labels, cp_rank=cp_rank, cp_size=cp_size)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so a wall-clock reading covers it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def engine_loss_sum(engine: object, batch: RankBatch, *, runtime: AttentionRuntime | None,
                     loss_chunk_tokens: int) -> torch.Tensor:
     """`micro_batch_loss_sum` of engine.module, run by DeepSpeed's `engine.forward`.
@@ -80,7 +94,9 @@ def engine_loss_sum(engine: object, batch: RankBatch, *, runtime: AttentionRunti
     `engine.module(...)`, the HF model, whose own forward would build logits for every token; for this one
     call the module's forward is the packed-stream loss (chunked, workers/loss.py) instead.
     """
-    module = engine.module
+    module = getattr(engine, "module", None)
+    if module is None:  # a bare model (the eval tests): no engine bookkeeping to do
+        return micro_batch_loss_sum(engine, batch, runtime=runtime, loss_chunk_tokens=loss_chunk_tokens)
     module.forward = functools.partial(micro_batch_loss_sum, module)
     try:
         return engine(batch, runtime=runtime, loss_chunk_tokens=loss_chunk_tokens)
@@ -88,10 +104,12 @@ def engine_loss_sum(engine: object, batch: RankBatch, *, runtime: AttentionRunti
         del module.forward  # the class's forward again
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for queued device work, so a wall-clock reading covers it (a no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def rank_batch(micro_batch: MicroBatchPayload, cp_rank: int, cp_size: int,
+               device: torch.device) -> RankBatch:
+    """This rank's stream of one micro-batch on `device` (an empty one: the idle batch)."""
+    batch = build_rank_batch(micro_batch.plan, micro_batch.input_ids, micro_batch.labels,
+                             cp_rank=cp_rank, cp_size=cp_size)
+    return (idle_batch(cp_rank, cp_size) if batch.num_tokens == 0 else batch).to(device)
 
 
 def run_step(
@@ -109,18 +127,24 @@ def run_step(
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     count = len(payload.micro_batches)
     cp_rank, cp_size = (0, 1) if groups.is_spare else (groups.cp_rank, groups.cp_size)
-    for index, micro_batch in enumerate(payload.micro_batches):
-        batch = build_rank_batch(micro_batch.plan, micro_batch.input_ids, micro_batch.labels,
-                                 cp_rank=cp_rank, cp_size=cp_size)
-        if batch.num_tokens == 0:
-            batch = idle_batch(cp_rank, cp_size)
-        batch = batch.to(device)
-        engine.set_gradient_accumulation_boundary(index == count - 1)
-        micro_loss = engine_loss_sum(engine, batch, runtime=groups.attention,
-                                     loss_chunk_tokens=loss_chunk_tokens)
+    done = 0
+
+    def backward(micro_loss: torch.Tensor) -> None:
+        nonlocal done, loss_sum
+        done += 1
+        engine.set_gradient_accumulation_boundary(done == count)
         engine.backward(micro_loss * scale * nan_if_nonfinite(micro_loss), scale_wrt_gas=False)
         loss_sum += micro_loss.detach().float()
         laps.mark()
+
+    for unit in micro_batch_units([mb.plan.chunk_on(cp_rank) for mb in payload.micro_batches]):
+        batches = [rank_batch(payload.micro_batches[i], cp_rank, cp_size, device) for i in unit]
+        if batches[0].chunk is not None:
+            run_chunked(engine.module, batches, runtime=groups.attention, loss_chunk_tokens=loss_chunk_tokens,
+                        backward=backward)
+        else:
+            backward(engine_loss_sum(engine, batches[0], runtime=groups.attention,
+                                     loss_chunk_tokens=loss_chunk_tokens))
     engine.step()
     laps.mark()
     synchronize(device)

@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-BASELINES = ("balanced_packed", "static_cp_packed", "static_cp", "sorted", "dynamic_cp")
+BASELINES = ("balanced_packed", "static_cp_packed", "static_cp", "sorted", "dynamic_cp", "chunkflow")
 """The policies every other one is compared with (`speedup_vs_<name>`)."""
 
 

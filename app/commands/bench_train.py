@@ -1,7 +1,7 @@
 """`python -m app bench train`: measured step time of scheduling policies on the same global batches.
 
     python -m app bench train --config configs/bench/cpu-lmsys.yaml
-        [--policies skrull,balanced_packed,static_cp_packed,static_cp,sorted] [--steps 8]
+        [--policies skrull,balanced_packed,static_cp_packed,static_cp,sorted,chunkflow] [--steps 8]
         [--calibration online|off] [--json] [--plot out.png]
         [--set key=value ...] [--no-progress] [--verbose]
 
@@ -57,7 +57,7 @@ from app.commands.common import add_config_arguments, add_json_argument, config_
 from app.config import ConfigError
 from app.rundir.files import jsonable
 
-DEFAULT_POLICIES = "skrull,balanced_packed,static_cp_packed,static_cp,sorted"
+DEFAULT_POLICIES = "skrull,balanced_packed,static_cp_packed,static_cp,sorted,chunkflow"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         check_plot_path(args.plot)
     if args.calibration is not None:
-        args.overrides = [*args.overrides, f"scheduling.calibration={args.calibration}"]
+        # quoted: --set values are YAML, where a bare `off` is the boolean false
+        args.overrides = [*args.overrides, f'scheduling.calibration="{args.calibration}"']
     config = config_from_args(args)
     try:
         result = bench_train(config, policies, args.steps, progress=not (args.no_progress or args.json),

@@ -64,7 +64,7 @@ def planner_actor(config: SkrullConfig, dataset: Dataset, total_steps: int, name
         eval_fraction=config.data.eval_fraction, data_seed=config.data.seed,
         shuffle=config.data.shuffle and config.data.source != "synthetic",  # synthetic: random already
         cp_degrees=config.cp_degrees, calibration=sched.calibration == "online",
-        calibration_window=sched.calibration_window,
+        calibration_window=sched.calibration_window, chunkflow_keep=sched.chunkflow_keep,
     )
     # Ray restarts a dead planner actor (a fresh one, planning from the run's start); the workers' own
     # restart then moves it to the checkpoint's cursor. Calls are never retried: a payload call answered

@@ -11,6 +11,10 @@ to the device: every layer reads the same device tensors. Without it, every batc
 whole causal sequence (no padding mask) and attended on this rank alone (the runtime's kernel, no ring),
 so a plain `model(input_ids)` call of one unpadded sequence per row still computes standard attention;
 the index of such a row is built once per (length, device) and then reused by every layer and call.
+
+A dependent chunk (the chunkflow policy, workers/chunkflow.py) also passes `dacp_chunk`, a ChunkCall: its
+queries then attend to its sequence's earlier keys as well (workers/attention/chunked.py), per layer by the
+attention module's `layer_idx`.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import functools
 
 import torch
 
+from workers.attention.chunked import ChunkCall, chunk_attention
 from workers.attention.dacp import dacp_attention
 from workers.attention.index import DacpIndex
 from workers.attention.layout import DacpLayout
-from workers.attention.runtime import AttentionRuntime
+from workers.attention.runtime import AttentionRuntime, default_runtime
 
 ATTENTION_NAME = "dacp"
 
@@ -37,7 +42,7 @@ def dacp_attention_forward(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
     dacp_index: DacpIndex | None = None, dacp_runtime: AttentionRuntime | None = None,
-    **kwargs,
+    dacp_chunk: ChunkCall | None = None, **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [B, H, S, D], key/value [B, G, S, D] -> (out [B, S, H, D], None)."""
     if dropout:
@@ -53,12 +58,21 @@ def dacp_attention_forward(
         runtime = runtime.single_rank()  # whole rows, not shards: the ring has nothing to exchange
     index = dacp_index or whole_row_index(query.shape[2], query.device)
     window = kwargs.get("sliding_window")
-    if window and window < index.layout.shortest_longest_sequence:
+    longest = dacp_chunk.stop if dacp_chunk is not None else index.layout.shortest_longest_sequence
+    if window and window < longest:
         # A window at least as long as every sequence is full causal attention: such models pass preflight
         # (app/model/support.py refuses shorter windows before Ray starts); this is the safety net.
-        longest = index.layout.shortest_longest_sequence
         raise ValueError(f"the dacp attention has no sliding window: a {window}-token window is shorter "
                          f"than a {longest}-token sequence of this micro-batch")
+    if dacp_chunk is not None:
+        if dacp_index is None:
+            raise ValueError("a dependent chunk (dacp_chunk) needs its micro-batch's dacp_index")
+        kernel = (runtime or default_runtime(query.device)).kernel
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = chunk_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                              dacp_chunk, layer=module.layer_idx, kernel=kernel, diag=index.local,
+                              scale=scale)
+        return out[None], None
     outs = []
     for b in range(batch):
         out, _ = dacp_attention(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1),
