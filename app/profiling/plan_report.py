@@ -164,7 +164,7 @@ def run_policies(config: SkrullConfig, cost: CostModel, batches: list[np.ndarray
             step = plan_step(policy, batch, dp_size=par.dp_size, cp_size=par.cp_size,
                              bucket_size=sched.bucket_size, cost=cost, seed=sched.seed,
                              static_cp_micro_batch=sched.static_cp_micro_batch, cp_degrees=degrees,
-                             chunkflow_keep=sched.chunkflow_keep)
+                             chunkflow_keep=sched.chunkflow_keep, baselines=sched.calibration == "online")
             runs[policy].plan_ms.append((time.perf_counter() - start) * 1e3)
             runs[policy].estimates.append(simulate(step, batch, cost, cp_degrees=bound_degrees))
     return runs
