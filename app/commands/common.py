@@ -1,8 +1,9 @@
-"""Arguments shared by the commands: --config, repeated --set overrides, --json."""
+"""Arguments shared by the commands: --config, repeated --set overrides, --json; a summary as a table."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from app.config import SkrullConfig, load_config
 
@@ -24,3 +25,19 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> SkrullConfig:
     return load_config(args.config, args.overrides)
+
+
+def format_summary(summary: dict[str, Any], title: str = "data synth") -> str:
+    """A two-column rich table of the summary, rendered to text."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in summary.items():
+        table.add_row(name, str(value))
+    console = Console(width=100)
+    with console.capture() as capture:
+        console.print(table)
+    return capture.get().rstrip()

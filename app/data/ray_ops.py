@@ -26,6 +26,9 @@ from app.data.template import TemplateSettings, tokenize_rows
 from app.data.tokenizer import load_tokenizer
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+TOKENIZED_COLUMNS = ("input_ids", "labels", "num_tokens", "raw_tokens", "label_tokens", "status", "reason",
+                     "format")
+"""A tokenized row (TokenizeBatch's output): what the planner, the scan and `data prepare` read."""
 
 
 class SynthesizeBatch:

@@ -20,6 +20,7 @@ its added tokens, and for HF tokenizers the transformers tokenizer that encodes 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import unicodedata
 from collections.abc import Sequence
@@ -111,6 +112,35 @@ class TextTokenizer:
 
                 self.cache["hf"] = PreTrainedTokenizerFast(tokenizer_file=self.name)
         return self.cache["hf"]
+
+
+def tokenizer_identity(tok: TextTokenizer) -> dict[str, str]:
+    """{"name": data.tokenizer, "sha256": a hash of the vocabulary and the special/added tokens}.
+
+    Two tokenizers with the same hash map every token string to the same id (the name may differ: a
+    copied directory is the same tokenizer); what a prepared dataset records (app/data/prepared.py).
+    Hashed: every (token, id) pair in id order, then every added token (text, id, special); for `qwen`
+    the BPE ranks and tiktoken's special tokens. Memoized on the tokenizer (~0.2 s for 150k tokens).
+    """
+    if "identity" not in tok.cache:
+        digest = hashlib.sha256(tok.kind.encode())
+        for token, token_id in sorted(_vocabulary(tok), key=lambda pair: (pair[1], pair[0])):
+            digest.update(token + b"\0" + str(token_id).encode() + b"\n")
+        for text, (token_id, special) in sorted(tok.added_tokens.items(), key=lambda item: item[1]):
+            digest.update(f"{text}\0{token_id}\0{int(special)}\n".encode())
+        tok.cache["identity"] = {"name": tok.name, "sha256": digest.hexdigest()}
+    return dict(tok.cache["identity"])
+
+
+def _vocabulary(tok: TextTokenizer) -> list[tuple[bytes, int]]:
+    """(token as bytes, id) of every token the tokenizer's vocabulary holds."""
+    if tok.kind == "tiktoken":
+        encoding = tok.backend._tokenizer
+        return list(encoding._mergeable_ranks.items()) + [
+            (text.encode(), token_id) for text, token_id in encoding._special_tokens.items()]
+    if tok.kind == "tokenizers":
+        return [(text.encode(), token_id) for text, token_id in tok.backend.get_vocab(True).items()]
+    return [(text.encode(), int(token_id)) for text, token_id in tok.backend.get_vocab().items()]
 
 
 def vocab_size_of(tokenizer: str | TextTokenizer) -> int:
