@@ -1,8 +1,9 @@
 """Prepared datasets without Ray: the shards and the manifest, the identity check, preview and plan reading
 them, and how many tokenize tasks run at once (data.tokenize_concurrency).
 
-The prepared set here is written from TokenizeBatch's output (the function Ray Data runs) through the same
-write_blocks `data prepare` streams its blocks into; tests/test_formats_e2e.py prepares on Ray and trains.
+The prepared set here is written by the function Ray Data runs (ray_ops.tokenize with a ShardTarget, one
+call per block) and folded by the driver's fold_summaries, without Ray; tests/test_formats_e2e.py prepares
+on Ray and trains.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from app.config import ConfigError, load_config
 from app.data import DataError
 from app.data.concurrency import tokenize_tasks
 from app.data.lengths import scan_local
-from app.data.prepare import ShardWriter, write_blocks
+from app.data.prepare import fold_summaries
 from app.data.prepared import MANIFEST, read_manifest
 from app.data.preview import preview_rows
-from app.data.ray_ops import MESSAGES_TYPE, TokenizeBatch
+from app.data.ray_ops import MESSAGES_TYPE, ShardTarget, tokenize
 from app.data.resolved import resolve_data
 from app.data.template import TemplateSettings, tokenize_rows
 from app.data.tokenizer import load_tokenizer
@@ -39,18 +40,21 @@ def _table(rows: list[dict]) -> pa.Table:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], list[str]]:
-    """(prepared dir, the raw rows, the config overrides that read it): 3 shards of 11 rows at most."""
+    """(prepared dir, the raw rows, the config overrides that read it): blocks of 7, 6 and 16 rows, the
+    summaries of the last two handed on as one block (as Ray Data's block shaping may)."""
     root = tmp_path_factory.mktemp("prepared")
     rows = example_rows()
     pq.write_table(_table(rows), root / "raw.parquet")
     raw = load_config(None, [*BASE, f"data.path={root / 'raw.parquet'}"])
     data = resolve_data(raw.data, max_length=raw.max_sequence_length)
-    tokenized = TokenizeBatch("qwen", data.settings)(_table(rows))
-    blocks = [tokenized.slice(0, 7), tokenized.slice(7, 13), tokenized.slice(20)]  # blocks != shards
     out = root / "set"
     out.mkdir()
-    writer = ShardWriter(pa.fs.LocalFileSystem(), str(out), shard_rows=11)
-    record, scan = write_blocks(data, blocks, writer, max_length=raw.max_sequence_length)
+    args, target = ("qwen", data.settings, False), ShardTarget(str(out))
+    table = _table(rows)
+    spans = ((0, 7), (7, 6), (13,))
+    first, second, third = (tokenize(table.slice(*span), args, write=target) for span in spans)
+    record, scan = fold_summaries(data, [first, pa.concat_tables([second, third])],
+                                  max_length=raw.max_sequence_length)
     (out / MANIFEST).write_text(json.dumps(record))
     assert scan.num_rows == len(rows)
     return out, rows, [*BASE, "data.source=prepared", f"data.path={out}"]
@@ -59,8 +63,9 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]
 def test_shards_hold_the_rows_in_stream_order_and_the_manifest_counts_them(prepared) -> None:
     out, rows, _ = prepared
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["shards"] == [["part-00000.parquet", 11], ["part-00001.parquet", 11],
-                                  ["part-00002.parquet", len(rows) - 22]]
+    assert [count for _, count in manifest["shards"]] == [7, 6, len(rows) - 13]
+    names = [name for name, _ in manifest["shards"]]
+    assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(names)
     table = pa.concat_tables(pq.read_table(out / name) for name, _ in manifest["shards"])
     ref = tokenize_rows(rows, load_tokenizer("qwen"), TemplateSettings(max_length=4096))
     assert [list(ids) for ids in table.column("input_ids").to_pylist()] == [r.tolist() for r in ref.input_ids]
@@ -75,9 +80,10 @@ def test_a_prepared_set_resolves_once_with_its_shards_and_fingerprint(prepared) 
     config = load_config(None, overrides)
     data = resolve_data(config.data, max_length=config.max_sequence_length)
     assert data.manifest is not None and data.source.format == "prepared"
-    assert data.source.files == tuple(str(out / f"part-0000{i}.parquet") for i in range(3))
+    names = [name for name, _ in json.loads((out / MANIFEST).read_text())["shards"]]
+    assert data.source.files == tuple(str(out / name) for name in names)
     fingerprint = data.fingerprints["data.path"]
-    assert [name for name, _, _ in fingerprint["files"]] == [f"part-0000{i}.parquet" for i in range(3)]
+    assert [name for name, _, _ in fingerprint["files"]] == names
     assert fingerprint["prepared_from"] == read_manifest(config.data).source["fingerprint"]
 
 

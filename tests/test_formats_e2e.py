@@ -189,11 +189,11 @@ def _sets(*overrides: str) -> list[str]:
 
 
 def test_a_prepared_set_trains_on_the_same_rows_without_tokenizing(
-        llama_data, formats_run, recorded_maps, tmp_path: Path, capsys, monkeypatch) -> None:
-    """`data prepare` (three tokenize tasks, shards of 5 rows) writes exactly the rows a tokenizing run
-    streams; a run on it builds no tokenize map, reads the manifest and loads the tokenizer once, and trains
-    the same samples to the same losses. The set, prepared again from other data, no longer resumes that
-    run (exit 2)."""
+        llama_data, formats_run, recorded_maps, tmp_path: Path, capsys) -> None:
+    """`data prepare` (three tokenize tasks, a shard per block: one or more a file) writes exactly the rows
+    a tokenizing run streams; a run on it builds no tokenize map, reads the manifest and loads the
+    tokenizer once, and trains the same samples to the same losses. The set, prepared again from other
+    data, no longer resumes that run (exit 2)."""
     from app.data.pipeline import tokenized_dataset
     from app.data.resolved import resolve_data
     from app.train.driver import train
@@ -201,7 +201,6 @@ def test_a_prepared_set_trains_on_the_same_rows_without_tokenizing(
     from tests.call_counter import counted_calls
 
     tokenizer, files = llama_data
-    monkeypatch.setattr("app.data.prepare.SHARD_ROWS", 5)
     prepared = tmp_path / "prepared"
     common = ["model.name_or_path=tiny-llama", f"data.tokenizer={tokenizer}", "data.tokenize_concurrency=3"]
     prepare = ["data", "prepare", "--config", "configs/tiny-cpu.yaml", "--out", str(prepared),
@@ -214,7 +213,7 @@ def test_a_prepared_set_trains_on_the_same_rows_without_tokenizing(
     streamed, shards = (read_row_table(tokenized_dataset(
         resolve_data(c.data, max_length=c.max_sequence_length), num_cpus=0.5)) for c in (raw, config))
     assert len(shards) == len(streamed) == 16
-    assert len(json.loads((prepared / "skrull_prepared.json").read_text())["shards"]) == 4
+    assert len(json.loads((prepared / "skrull_prepared.json").read_text())["shards"]) >= 4
     for position in range(16):
         for got, want in zip(shards.tokens(position), streamed.tokens(position), strict=True):
             assert got.tolist() == want.tolist(), position

@@ -13,8 +13,11 @@ rows a call), so only the executor differs. Each variant's time is read + tokeni
 (Ray: materialized in the object store; datasets: written to its Arrow cache, a fresh cache directory
 each time, never a cached result). Warm on both sides: one untimed round first (Ray's worker processes and
 their tokenizers stay up), and `datasets` runs in a process of its own (Ray's driver threads do not mix with
-its fork) that loaded the tokenizer before forking, so its children start with it. Then --rounds rounds,
-the order rotated each round (1, N, D / N, D, 1 / D, 1, N), so drift on the machine reaches every variant.
+its fork) that loaded the tokenizer before forking, so its children start with it. Same priority: Ray
+runs its task workers at a niceness of their own (its worker_niceness, 15), so the `datasets` process takes
+the niceness a Ray task reports; on a shared machine both then yield alike to everything else. Then
+--rounds rounds, the order rotated each round (1, N, D / N, D, 1 / D, 1, N), so drift on the machine
+reaches every variant.
 
 Checks: every variant returns the same number of rows, the same token count and the same digest of the
 num_tokens and label_tokens columns in stream order, else the bench fails (it measured something else).
@@ -62,8 +65,8 @@ def run_bench(config: SkrullConfig, *, rows: int | None, rounds: int, cpus: int)
         data = resolve_data(data_cfg, max_length=config.max_sequence_length)
         spec = (str(sample), fmt, (data_cfg.tokenizer, data.settings, fmt == "jsonl"),
                 data_cfg.tokenize_batch_size, cpus)
-        peer = DatasetsMap(spec, Path(scratch))
         with ray_session(config, worker_logs=False, training=False):
+            peer = DatasetsMap(spec, Path(scratch), niceness=ray_worker_niceness())
             runners = {"ray_1_task": lambda: ray_run(data, config.resources.data_cpus, 1),
                        "ray_all_cpus": lambda: ray_run(data, config.resources.data_cpus, cpus),
                        "datasets_map": peer.run}
@@ -106,6 +109,17 @@ def write_sample(config: SkrullConfig, scratch: Path, rows: int | None) -> tuple
     return path, "parquet"
 
 
+def ray_worker_niceness() -> int:
+    """The niceness Ray runs its task workers at (what a tokenize task gets)."""
+    import ray
+
+    return int(ray.get(ray.remote(num_cpus=0)(_niceness).remote()))
+
+
+def _niceness() -> int:
+    return os.nice(0)
+
+
 def ray_run(data: Any, num_cpus: float, tasks: int) -> Measured:
     """This project's pipeline with `tasks` tokenize tasks at once, materialized; then its digest."""
     from app.data.pipeline import tokenized_dataset
@@ -134,12 +148,12 @@ def _measured(seconds: float, batches: Any) -> Measured:
 class DatasetsMap:
     """The `datasets` variant in a process of its own (spawned: no Ray threads), one run per call."""
 
-    def __init__(self, spec: tuple[Any, ...], scratch: Path) -> None:
+    def __init__(self, spec: tuple[Any, ...], scratch: Path, niceness: int = 0) -> None:
         import multiprocessing
 
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        self._process = context.Process(target=_datasets_worker, args=(child, spec, str(scratch)),
+        self._process = context.Process(target=_datasets_worker, args=(child, spec, str(scratch), niceness),
                                         daemon=True)
         self._process.start()
 
@@ -155,12 +169,14 @@ class DatasetsMap:
         self._process.join(timeout=30)
 
 
-def _datasets_worker(conn: Any, spec: tuple[Any, ...], scratch: str) -> None:
-    """Serve `run` requests: load the rows with `datasets` and map them (num_proc processes)."""
+def _datasets_worker(conn: Any, spec: tuple[Any, ...], scratch: str, niceness: int) -> None:
+    """Serve `run` requests: load the rows with `datasets` and map them (num_proc processes, which
+    inherit this process's niceness and its loaded tokenizer)."""
     import functools
 
     from app.data import ray_ops
 
+    os.nice(max(0, niceness - os.nice(0)))
     path, fmt, tokenize_args, batch_size, num_proc = spec
     ray_ops._tokenizer_of(*tokenize_args)  # loaded once here; the forked map processes inherit it
     tokenize = functools.partial(ray_ops.tokenize, tokenize=tokenize_args)

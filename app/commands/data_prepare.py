@@ -6,14 +6,16 @@ every CPU, nothing trains here; app/data/concurrency.py) and writes the rows as 
 manifest (app/data/prepared.py, app/data/prepare.py). Train from it with `--set data.source=prepared --set
 data.path=DIR` and the same data.* settings (a difference is exit 2 naming the knob).
 
-Nothing is half-written:
+The tokenize tasks write the shards themselves (app/data/prepare.py), so a local DIR on a cluster of
+several machines must be a filesystem they all mount (as run.storage_path); a shard the driver cannot see
+afterwards is an error naming --out. Nothing is half-written:
     local DIR       the shards and the manifest go into a staging directory next to DIR, which replaces
                     DIR's part-*.parquet and manifest only when all are written (`staged_output`, as
                     `data synth`); a failure leaves DIR as it was
-    object store    no rename exists there: the shards get names of their own (part-<token>-NNNNN) and
+    object store    no rename exists there: the shards get names of their own (part-<token>-<hex>) and
                     the manifest, written last in one PUT, is the commit (a reader reads only the shards
                     it lists); then the shards of an earlier prepare are deleted. A failure deletes the
-                    shards it wrote and leaves the earlier manifest and its shards as they were
+                    shards this prepare wrote and leaves the earlier manifest and its shards as they were
 """
 
 from __future__ import annotations
@@ -100,33 +102,38 @@ def _check_out(target: Any, overwrite: bool) -> None:
 
 
 def _write_local(target: Any, data: Any, config: SkrullConfig, tasks: int) -> dict[str, Any]:
-    from pyarrow import fs
-
     from app.commands.staging import staged_output
-    from app.data.prepare import ShardWriter, write_prepared
+    from app.data.prepare import write_prepared
     from app.data.prepared import MANIFEST
+    from app.data.ray_ops import ShardTarget
 
     with staged_output(Path(target.uri), owned=(SHARD_PATTERN, MANIFEST)) as staging:
-        writer = ShardWriter(fs.LocalFileSystem(), str(staging))
-        record, _ = write_prepared(data, writer, num_cpus=config.resources.data_cpus, tasks=tasks,
-                                   max_length=config.max_sequence_length)
+        record, _ = write_prepared(data, ShardTarget(str(staging)), num_cpus=config.resources.data_cpus,
+                                   tasks=tasks, max_length=config.max_sequence_length)
+        missing = [name for name, _ in record["shards"] if not (staging / name).is_file()]
+        if missing:
+            raise ConfigError(f"--out={str(target)!r}: {len(missing)} shards the tokenize tasks wrote are "
+                              f"not there ({missing[0]}, ...): on a cluster of several machines --out must "
+                              "be a filesystem every node mounts, or an object-store URI")
         (staging / MANIFEST).write_text(json.dumps(record, indent=1))
     return record
 
 
 def _write_remote(target: Any, data: Any, config: SkrullConfig, tasks: int) -> dict[str, Any]:
-    from app.data.prepare import ShardWriter, write_prepared
+    from app.data.prepare import write_prepared
     from app.data.prepared import MANIFEST
+    from app.data.ray_ops import ShardTarget
 
-    writer = ShardWriter(target.filesystem, target.path, prefix=f"part-{secrets.token_hex(4)}-")
+    prefix = f"part-{secrets.token_hex(4)}-"
     try:
-        record, _ = write_prepared(data, writer, num_cpus=config.resources.data_cpus, tasks=tasks,
-                                   max_length=config.max_sequence_length)
+        record, _ = write_prepared(data, ShardTarget(target.uri, prefix), num_cpus=config.resources.data_cpus,
+                                   tasks=tasks, max_length=config.max_sequence_length)
         (target / MANIFEST).write_text(json.dumps(record, indent=1))  # the commit
     except BaseException:
-        for name, _ in writer.shards:
-            with contextlib.suppress(OSError):  # the original error matters; an orphan is never read
-                (target / name).delete()
+        for name in target.listdir():
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):  # the original error matters; an orphan is never read
+                    (target / name).delete()
         raise
     kept = {name for name, _ in record["shards"]}
     for name in target.listdir():

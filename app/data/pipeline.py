@@ -27,6 +27,7 @@ caller owns the cluster.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -34,7 +35,7 @@ from typing import Any
 
 from app.config import DataConfig
 from app.data import DataError
-from app.data.ray_ops import TOKENIZED_COLUMNS, synthesize_and_tokenize, tokenize
+from app.data.ray_ops import TOKENIZED_COLUMNS, ShardTarget, synthesize_and_tokenize, tokenize
 from app.data.readers import DataSource, arrow_table
 from app.data.resolved import ResolvedData
 from app.data.template import TemplateSettings
@@ -45,13 +46,17 @@ chats (~1,400 rows/s a core, measured 2026-11-26), so a task's start-up is a sma
 blocks leave no task idle for long."""
 
 
-def tokenized_dataset(data: ResolvedData, *, num_cpus: float, tasks: int = 1) -> Any:
+def tokenized_dataset(data: ResolvedData, *, num_cpus: float, tasks: int = 1,
+                      write: ShardTarget | None = None) -> Any:
     """The run's tokenized rows as a lazy `ray.data.Dataset` (columns: see module docstring).
 
     `data` is what preflight resolved (app/data/resolved.py): its sources, template settings (with the
     run's longest sequence) and tokenizer were checked there, so nothing here can fail on bad input
     before Ray runs. num_cpus: what each Ray Data task reserves (resources.data_cpus). tasks: tokenize
-    tasks at once (app/data/concurrency.py tokenize_tasks).
+    tasks at once (app/data/concurrency.py tokenize_tasks). write (`data prepare`): each task writes every
+    block it tokenizes as one shard there (a call per block: batch_size None; data.tokenize_batch_size rows
+    at a time inside it) and the dataset holds the shards' summaries (app/data/ray_ops.py write_shard), so
+    the rows never cross the object store.
     """
     import ray.data
 
@@ -62,25 +67,28 @@ def tokenized_dataset(data: ResolvedData, *, num_cpus: float, tasks: int = 1) ->
     warnings.filterwarnings("ignore", message=r"The maximum number of concurrent tasks for 'MapBatches\(",
                             category=UserWarning)
     ray.data.DataContext.get_current().execution_options.preserve_order = True
+    if write is not None:
+        write = dataclasses.replace(write, batch_rows=data.config.tokenize_batch_size)
     if data.manifest is not None:
         # select_columns is pushed down into the Parquet read (no map of its own)
         shards = read_parquet(data.source.files, data.source.filesystem, num_cpus=num_cpus)
         return shards.select_columns(list(TOKENIZED_COLUMNS))
     if data.source is None:
-        return _synthetic_dataset(data.config, data.settings, num_cpus, tasks)
+        return _synthetic_dataset(data.config, data.settings, num_cpus, tasks, write)
     source, json_lines = _source_dataset(data.source)
     if tasks > 1 and data.source.format not in ("parquet", "jsonl"):
         # from_arrow is one block, which would feed a single task; a file read is already split (Ray Data's
         # read parallelism: max(min(200, size / 1 MiB), 2 x CPUs) blocks), which a repartition would only cut
         source = source.repartition(target_num_rows_per_block=TOKENIZE_BLOCK_ROWS)
     return source.map_batches(
-        tokenize, fn_kwargs={"tokenize": (data.config.tokenizer, data.settings, json_lines)},
-        batch_size=data.config.tokenize_batch_size, batch_format="pyarrow",
+        tokenize, fn_kwargs={"tokenize": (data.config.tokenizer, data.settings, json_lines), "write": write},
+        batch_size=data.config.tokenize_batch_size if write is None else None, batch_format="pyarrow",
         compute=ray.data.TaskPoolStrategy(size=tasks), num_cpus=num_cpus,
     )
 
 
-def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: float, tasks: int) -> Any:
+def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: float, tasks: int,
+                       write: ShardTarget | None) -> Any:
     """range(data.num_samples) -> synthesized and tokenized rows."""
     import ray.data
 
@@ -90,8 +98,9 @@ def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: f
     blocks = max(1, data.num_samples // 4096)
     synthesize = (data.tokenizer, data.distribution, data.num_samples, data.seed, data.length_scale)
     return ray.data.range(data.num_samples, override_num_blocks=blocks).map_batches(
-        synthesize_and_tokenize, fn_kwargs={"synthesize": synthesize, "tokenize": (data.tokenizer, settings)},
-        batch_size=data.tokenize_batch_size, batch_format="pyarrow",
+        synthesize_and_tokenize,
+        fn_kwargs={"synthesize": synthesize, "tokenize": (data.tokenizer, settings), "write": write},
+        batch_size=data.tokenize_batch_size if write is None else None, batch_format="pyarrow",
         compute=ray.data.TaskPoolStrategy(size=tasks), num_cpus=num_cpus,
     )
 

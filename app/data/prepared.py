@@ -1,10 +1,10 @@
 """A prepared dataset: the rows `data prepare` tokenized once, read by data.source=prepared as they are.
 
     DIR/                              (a local directory or an object-store URI)
-    ├── part-00000.parquet, ...       the tokenized rows in stream order (app/data/ray_ops.py
-    │                                 TOKENIZED_COLUMNS), SHARD_ROWS rows a shard
+    ├── part-<hex>.parquet, ...       the tokenized rows (app/data/ray_ops.py TOKENIZED_COLUMNS), one
+    │                                 shard per block a tokenize task wrote (app/data/prepare.py)
     └── skrull_prepared.json          the manifest, written last (a reader needs it, so a prepare that
-                                      stopped half-way is never read):
+                                      stopped half-way is never read); its shard list is the stream order:
         {"format": "skrull-prepared", "version": 1, "rows": N, "shards": [[name, rows], ...],
          "counts": {status: n}, "formats": {format: n}, "tokens": usable tokens, "label_tokens": ...,
          "source": {"data.source", "data.path" (redacted), ...; "fingerprint": app/data/fingerprint.py},
@@ -45,8 +45,6 @@ from workers.storage import Location, redact_uri
 MANIFEST = "skrull_prepared.json"
 FORMAT = "skrull-prepared"
 VERSION = 1
-SHARD_ROWS = 16384
-"""Rows per shard: ~10-60 MB of LMSYS-like rows, many shards for a parallel read of a large set."""
 IDENTITY_KNOBS = ("data.tokenizer", "data.chat_template", "data.max_length", "data.too_long",
                   "data.truncate_side", "data.labels", "data.format_type", "data.columns", "data.add_eos")
 _BY_HASH = ("data.tokenizer", "data.chat_template")

