@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("verify", "parity check: one sharded DACP forward+backward vs the unsharded model"),
     "train": ("train", "train on Ray (embedded local Ray by default, or the cluster at RAY_ADDRESS)"),
     "data": ("data", "data tools: `data synth` writes a synthetic chat dataset, `data preview` shows rows "
-             "as training sees them (template, labels, length limit)"),
+             "as training sees them (template, labels, length limit), `data prepare` tokenizes once"),
     "export": ("export", "a run's checkpoint as a Hugging Face model directory (LoRA: a peft adapter)"),
     "report": ("report", "a finished or running run in one screen (loss, tokens/s, imbalance, planner lead, "
                "restarts, data) from its run directory; --plot, --json"),

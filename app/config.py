@@ -142,9 +142,11 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    source: Literal["synthetic", "path", "hf"] = field(default="synthetic", metadata=MATH)
+    source: Literal["synthetic", "path", "hf", "prepared"] = field(default="synthetic", metadata=MATH)
     """synthetic (generated lengths / conversations) | path (a dataset on disk at data.path) | hf (a hub
-    dataset id, or a dataset directory/script, at data.path, through `datasets.load_dataset`)."""
+    dataset id, or a dataset directory/script, at data.path, through `datasets.load_dataset`) | prepared
+    (a directory or URI `data prepare` wrote at data.path: tokenized rows and their manifest, no
+    tokenization at run time; app/data/prepared.py)."""
     path: str = field(default="", metadata=MATH)
     """Dataset: a parquet file/dir, a .jsonl file, or a HF `datasets` save_to_disk directory; parquet and
     jsonl may also be a filesystem URI (s3://bucket/data.parquet). With data.source=hf: a hub dataset id
@@ -194,6 +196,9 @@ class DataConfig:
     """With too_long=truncate, which end to cut: left drops the oldest context and keeps the last answer."""
     tokenize_batch_size: int = 64
     """Rows per map_batches call in the Ray Data tokenizer."""
+    tokenize_concurrency: int | Literal["auto"] = "auto"
+    """Ray Data tokenize tasks at once (resources.data_cpus each): auto = the CPUs the training reservation
+    leaves (app/data/concurrency.py), or a number. The row order never depends on it."""
     eval_fraction: float = field(default=0.0, metadata=MATH)
     """Hold this fraction of the samples out of training for the eval loss (a hash of (data.seed, sample
     id) below it: deterministic, the same on resume and on any worker count); 0: none."""
@@ -209,6 +214,10 @@ class DataConfig:
                  "data.source=path needs data.path (a parquet, jsonl or HF dataset directory)")
         _require(self.source != "hf" or bool(self.path),
                  "data.source=hf needs data.path (a hub dataset id or a dataset directory/script)")
+        _require(self.source != "prepared" or bool(self.path),
+                 "data.source=prepared needs data.path (the directory `data prepare --out` wrote)")
+        _require(self.tokenize_concurrency == "auto" or self.tokenize_concurrency >= 1,
+                 f"data.tokenize_concurrency must be auto or >= 1, got {self.tokenize_concurrency}")
         _require(bool(self.chat_template), "data.chat_template must be auto, model, chatml, none or a path "
                  "to a Jinja template file")
         _require(self.max_length >= 0, "data.max_length must be >= 0 (0 means bucket_size * cp_size)")

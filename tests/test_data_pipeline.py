@@ -11,8 +11,9 @@ from data_rows import example_rows, expected_statuses, write_all_formats
 
 from app.config import load_config
 from app.data import DataError
-from app.data.pipeline import scan_dataset, tokenized_dataset
+from app.data.pipeline import tokenized_dataset
 from app.data.resolved import resolve_data
+from app.data.scan import scan_dataset
 from app.data.synth import ConversationSynth, synth_conversations, target_lengths
 from app.data.template import TemplateSettings, tokenize_rows
 from app.data.tokenizer import load_tokenizer
@@ -51,6 +52,30 @@ def test_readers_tokenize_in_order(local_ray, formats, fmt: str) -> None:
     for row, ids, labels, label_tokens in zip(got, ref.input_ids, ref.labels, ref.label_tokens, strict=False):
         assert list(row["input_ids"]) == ids.tolist() and list(row["labels"]) == labels.tolist()
         assert row["num_tokens"] == len(ids) and row["label_tokens"] == label_tokens
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "hf"])
+def test_several_tokenize_tasks_keep_the_order_of_one(local_ray, formats, fmt: str, monkeypatch) -> None:
+    """Three tasks at once (the jsonl read split by Ray Data, the in-memory hf table repartitioned into
+    blocks of 4 rows) hand on exactly the rows of a single-task run, row by row."""
+    import re
+
+    from app.data import pipeline
+
+    monkeypatch.setattr(pipeline, "TOKENIZE_BLOCK_ROWS", 4)
+    _, paths = formats
+    cfg = config("data.source=path", f"data.path={paths[fmt]}")
+    data = resolve_data(cfg.data, max_length=cfg.max_sequence_length)
+    one = tokenized_dataset(data, num_cpus=0.5, tasks=1).take_all()
+    several = tokenized_dataset(data, num_cpus=0.5, tasks=3).materialize()
+    ran = re.search(r"MapBatches\(tokenize\): (\d+) tasks executed", several.stats())
+    assert ran is not None and int(ran.group(1)) >= 3, several.stats()
+    rows = several.take_all()
+    assert len(rows) == len(one) == len(expected_statuses(fmt))
+    for position, (got, want) in enumerate(zip(rows, one, strict=True)):
+        assert list(got["input_ids"]) == list(want["input_ids"]), position
+        assert list(got["labels"]) == list(want["labels"]), position
+        assert got["status"] == want["status"], position
 
 
 def test_synthetic_source_equals_generated_rows(local_ray) -> None:

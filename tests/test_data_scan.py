@@ -8,9 +8,9 @@ import pytest
 
 from app.config import load_config
 from app.data import DataError
-from app.data.pipeline import DataScan, check_scan
 from app.data.ray_ops import MESSAGES_TYPE, TokenizeBatch
 from app.data.resolved import template_settings
+from app.data.scan import DataScan, check_scan
 from scheduling.payload import ROW_STATUSES
 
 LONG_CONTEXT = [{"role": "user", "content": " ".join(["a long context about the data"] * 20)},

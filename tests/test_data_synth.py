@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.commands import data as data_command
+from app.commands import staging
 from app.config import ConfigError
 from app.data.synth import ConversationSynth, synth_conversations, target_lengths
 from app.data.template import TemplateSettings, tokenize_rows
@@ -166,7 +167,7 @@ def test_a_failure_while_swapping_leaves_the_target_as_it_was(written, monkeypat
             raise OSError(18, "Invalid cross-device link")
         return real(src, dst)
 
-    monkeypatch.setattr(data_command.os, "rename", no_rename_into_out)
+    monkeypatch.setattr(staging.os, "rename", no_rename_into_out)
     with pytest.raises(ConfigError, match="--out=.*cannot be written"):
         _run_synth(_synth_argv(out, "--overwrite", "--seed", "2"))
     assert _snapshot(out.parent) == before
@@ -195,11 +196,11 @@ def test_overwrite_keeps_other_files_of_the_target(written, capsys, monkeypatch)
             raise OSError(5, "Input/output error")
         return real(src, dst)
 
-    monkeypatch.setattr(data_command.os, "rename", fail_on_the_second_new_file)
+    monkeypatch.setattr(staging.os, "rename", fail_on_the_second_new_file)
     with pytest.raises(ConfigError, match="--out="):
         _run_synth(_synth_argv(out, "--overwrite", "--seed", "2"))
     assert _snapshot(out.parent) == before  # old files moved back, the new one taken out again
-    monkeypatch.setattr(data_command.os, "rename", real)
+    monkeypatch.setattr(staging.os, "rename", real)
     assert _run_synth(_synth_argv(out, "--overwrite", "--seed", "2", "--n", "10")) == 0
     capsys.readouterr()
     assert sorted(p.name for p in out.iterdir()) == ["README.txt", "part-00000.parquet"]

@@ -9,10 +9,13 @@ turn), never in a header, a user, system or tool turn, or the BOS.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,28 +113,122 @@ def test_preview_labels_exactly_the_assistant_tokens_of_every_format(llama_data,
             assert row["format"] in {"sharegpt", "alpaca", "messages", "prompt_completion"}
 
 
-def test_train_runs_two_steps_on_every_format(llama_data, local_ray, tmp_path: Path, capsys) -> None:
-    """One run over the four files (16 rows, one global batch of 16): every row of every format trains in
-    step 1, on a tiny Llama whose vocabulary is the tokenizer's. The driver process loads the tokenizer and
-    resolves the data source once (app/data/resolved.py), example row and cost model included."""
+def _train_config(tokenizer: Path, root: Path, name: str, *overrides: str):
     from app.config import load_config
+
+    return load_config("configs/tiny-cpu.yaml", [
+        f"run.storage_path={root}", f"run.name={name}", "model.name_or_path=tiny-llama",
+        f"data.tokenizer={tokenizer}", "scheduling.global_batch_size=16", "train.steps=2",
+        "data.shuffle=false", *overrides])
+
+
+@pytest.fixture(scope="module")
+def recorded_maps() -> Iterator[list[str]]:
+    """The function of every `Dataset.map_batches` this process builds while the module runs (a tokenize
+    task runs only through one)."""
+    import ray.data
+
+    original = ray.data.Dataset.map_batches
+    names: list[str] = []
+
+    def recording(self: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        names.append(getattr(fn, "__name__", repr(fn)))
+        return original(self, fn, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ray.data.Dataset, "map_batches", recording)
+        yield names
+
+
+@pytest.fixture(scope="module")
+def formats_run(llama_data, local_ray, recorded_maps,
+                tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tokenizing run over the four files (16 rows, one global batch of 16, 2 steps): its summary, the
+    calls the driver made, its stdout and the maps it built."""
     from app.train.driver import train
     from tests.call_counter import counted_calls
 
     tokenizer, files = llama_data
     data = next(iter(files.values())).parent
-    config = load_config("configs/tiny-cpu.yaml", [
-        f"run.storage_path={tmp_path}", "run.name=formats", "model.name_or_path=tiny-llama",
-        "data.source=path", f"data.path={data}", f"data.tokenizer={tokenizer}",
-        "scheduling.global_batch_size=16", "train.steps=2", "data.shuffle=false"])
-    terminal = io.StringIO()
+    config = _train_config(tokenizer, tmp_path_factory.mktemp("runs"), "formats", "data.source=path",
+                           f"data.path={data}")
+    terminal, stdout = io.StringIO(), io.StringIO()
+    recorded_maps.clear()
     with counted_calls("app.data.tokenizer", "load_tokenizer") as loads, \
-            counted_calls("app.data.readers", "resolve_source") as resolves:
+            counted_calls("app.data.readers", "resolve_source") as resolves, \
+            contextlib.redirect_stdout(stdout):
         summary = train(config, quiet=True, out=terminal)  # progress on: the summary and an example row
-    assert "example training row" in capsys.readouterr().out  # sys.stdout: pytest's, not the run's log
-    assert (loads, [args[0].path for args in resolves]) == ([(str(tokenizer),)], [str(data)])
+    return {"summary": summary, "loads": loads, "resolves": [args[0].path for args in resolves],
+            "stdout": stdout.getvalue(), "maps": list(recorded_maps), "data": data}
+
+
+def test_train_runs_two_steps_on_every_format(llama_data, formats_run) -> None:
+    """Every row of every format trains in step 1, on a tiny Llama whose vocabulary is the tokenizer's. The
+    driver process loads the tokenizer and resolves the data source once (app/data/resolved.py), example
+    row and cost model included."""
+    tokenizer, _ = llama_data
+    summary = formats_run["summary"]
+    assert "example training row" in formats_run["stdout"]  # sys.stdout, not the run's log
+    assert formats_run["loads"] == [(str(tokenizer),)]
+    assert formats_run["resolves"] == [str(formats_run["data"])]
+    assert formats_run["maps"] == ["tokenize"]
     assert summary.steps == 2
     first = json.loads(Path(summary.run_dir, "samples.jsonl").read_text().splitlines()[0])
     assert sorted(i for line in [first] for i in line["sample_ids"]) == list(range(16))
     data_summary = json.loads(Path(summary.run_dir, "data_summary.json").read_text())
     assert data_summary["rows"] == 16 and data_summary["usable_rows"] == 16, data_summary
+
+
+def _samples(run_dir: str) -> list[tuple[int, list[int]]]:
+    lines = [json.loads(line) for line in Path(run_dir, "samples.jsonl").read_text().splitlines()]
+    return sorted((line["step"], sorted(line["sample_ids"])) for line in lines)
+
+
+def _sets(*overrides: str) -> list[str]:
+    return [part for override in overrides for part in ("--set", override)]
+
+
+def test_a_prepared_set_trains_on_the_same_rows_without_tokenizing(
+        llama_data, formats_run, recorded_maps, tmp_path: Path, capsys) -> None:
+    """`data prepare` (three tokenize tasks, a shard per block: one or more a file) writes exactly the rows
+    a tokenizing run streams; a run on it builds no tokenize map, reads the manifest and loads the
+    tokenizer once, and trains the same samples to the same losses. The set, prepared again from other
+    data, no longer resumes that run (exit 2)."""
+    from app.data.pipeline import tokenized_dataset
+    from app.data.resolved import resolve_data
+    from app.train.driver import train
+    from scheduling.actor import read_row_table
+    from tests.call_counter import counted_calls
+
+    tokenizer, files = llama_data
+    prepared = tmp_path / "prepared"
+    common = ["model.name_or_path=tiny-llama", f"data.tokenizer={tokenizer}", "data.tokenize_concurrency=3"]
+    prepare = ["data", "prepare", "--config", "configs/tiny-cpu.yaml", "--out", str(prepared),
+               *_sets(*common, "data.source=path")]
+    assert main([*prepare, *_sets(f"data.path={formats_run['data']}")]) == 0
+    from_prepared = ("data.source=prepared", f"data.path={prepared}")
+    config = _train_config(tokenizer, tmp_path, "from-prepared", *from_prepared)
+    tokenizing = formats_run["summary"]
+    raw = _train_config(tokenizer, tmp_path, "raw", "data.source=path", f"data.path={formats_run['data']}")
+    streamed, shards = (read_row_table(tokenized_dataset(
+        resolve_data(c.data, max_length=c.max_sequence_length), num_cpus=0.5)) for c in (raw, config))
+    assert len(shards) == len(streamed) == 16
+    assert len(json.loads((prepared / "skrull_prepared.json").read_text())["shards"]) >= 4
+    for position in range(16):
+        for got, want in zip(shards.tokens(position), streamed.tokens(position), strict=True):
+            assert got.tolist() == want.tolist(), position
+    recorded_maps.clear()
+    with counted_calls("app.data.tokenizer", "load_tokenizer") as loads, \
+            counted_calls("app.data.prepared", "read_manifest") as manifests:
+        summary = train(config, quiet=True, out=io.StringIO())
+    assert (recorded_maps, len(loads), len(manifests)) == ([], 1, 1)
+    assert _samples(summary.run_dir) == _samples(tokenizing.run_dir)
+    assert summary.losses == pytest.approx(tokenizing.losses, rel=1e-6)
+    one_file = next(iter(files.values()))
+    assert main([*prepare, *_sets(f"data.path={one_file}"), "--overwrite"]) == 0
+    capsys.readouterr()
+    resume = _sets(f"run.storage_path={tmp_path}", "run.name=from-prepared", "train.steps=3", *from_prepared,
+                   "model.name_or_path=tiny-llama", f"data.tokenizer={tokenizer}", "data.shuffle=false",
+                   "scheduling.global_batch_size=16")
+    assert main(["train", "--config", "configs/tiny-cpu.yaml", *resume]) == 2
+    assert "data.path: the data changed" in capsys.readouterr().err

@@ -20,9 +20,9 @@ from app.config import ConfigError, load_config
 from app.data.formats import NO_FORMAT
 from app.data.lengths import dataset_token_lengths, scan_local
 from app.data.malformed import MalformedTally, check_malformed
-from app.data.pipeline import DataScan, scan_dataset
 from app.data.ray_ops import TokenizeBatch
 from app.data.resolved import template_settings
+from app.data.scan import DataScan, scan_dataset
 from app.data.split import as_eval_path_error, eval_data_config
 from app.data.template import TemplateSettings, tokenize_rows
 from app.data.tokenizer import load_tokenizer

@@ -310,6 +310,41 @@ def test_rerunning_the_name_resumes_from_the_buckets_checkpoint(s3: S3Server, ru
     assert any(k.startswith("runs/s3run/checkpoint_20") and "/step4/" in k for k in keys)  # the new one
 
 
+def test_data_prepare_writes_its_shards_and_manifest_to_the_bucket(s3: S3Server, runs, capsys) -> None:
+    """`data prepare --out s3://...` on the module's Ray: the shards, then the manifest (the commit), in the
+    bucket; the rows read back through data.source=prepared equal the bucket data tokenized here. Again with
+    --overwrite: new shards, then the old ones deleted; without it: exit 2, nothing touched."""
+    from app.__main__ import main
+    from app.data.preview import preview_rows
+    from app.data.readers import iter_local_rows, resolve_source
+    from app.data.resolved import template_settings
+    from app.data.template import tokenize_rows
+
+    source = s3.uri("data/x.parquet")
+    argv = ["data", "prepare", "--config", "configs/tiny-cpu.yaml", "--out", s3.uri("prepared"), "--json",
+            "--set", "data.source=path", "--set", f"data.path={source}", "--set", SMALL_VOCAB]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == NUM_SAMPLES
+    manifest = json.loads(s3.text("prepared/skrull_prepared.json"))
+    first = [f"prepared/{name}" for name, _ in manifest["shards"]]
+    assert s3.keys("prepared/") == sorted(["prepared/skrull_prepared.json", *first])
+    assert manifest["source"]["data.path"] == source
+    config = load_config("configs/tiny-cpu.yaml", ["data.source=prepared", f"data.path={s3.uri('prepared')}",
+                                                   SMALL_VOCAB])
+    rows, tok = preview_rows(config, NUM_SAMPLES + 1)
+    raw = load_config("configs/tiny-cpu.yaml", ["data.source=path", f"data.path={source}", SMALL_VOCAB])
+    ref = tokenize_rows([r for b in iter_local_rows(resolve_source(raw.data), 64) for r in b], tok,
+                        template_settings(raw.data, raw.max_sequence_length))
+    assert [r.input_ids for r in rows] == [ids.tolist() for ids in ref.input_ids]
+    assert [r.labels for r in rows] == [labels.tolist() for labels in ref.labels]
+    assert main(argv) == 2 and "--overwrite" in capsys.readouterr().err
+    assert main([*argv, "--overwrite"]) == 0
+    again = json.loads(s3.text("prepared/skrull_prepared.json"))
+    second = [f"prepared/{name}" for name, _ in again["shards"]]
+    assert not set(first) & set(second)
+    assert s3.keys("prepared/") == sorted(["prepared/skrull_prepared.json", *second])
+
+
 # -- one writer per run: the lease on the store (app/rundir/lock.py; the local lock: test_run_safety.py) --
 def _lease_run(s3: S3Server) -> Location:
     return Location.of(s3.uri(f"lease-{time.monotonic_ns()}"))

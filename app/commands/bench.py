@@ -1,6 +1,7 @@
-"""`python -m app bench planner|compute|attention|train|peer`: planning latency, compute profile, DACP
+"""`python -m app bench planner|compute|attention|train|peer|data`: planning latency, compute profile, DACP
 overlap, measured training step time of the scheduling policies (`bench train`, app/commands/bench_train.py),
-this project against TRL's SFTTrainer (`bench peer`, app/commands/bench_peer.py).
+this project against TRL's SFTTrainer (`bench peer`, app/commands/bench_peer.py), tokenize throughput
+against `datasets.map` (`bench data`, app/commands/bench_data.py).
 
 `bench planner` times GDS + DACP (the skrull policy, weighing its baseline candidates as it does with
 scheduling.calibration=online: scheduling/skrull.py) on one global batch of synthetic LMsysChat1M-like
@@ -16,7 +17,7 @@ import argparse
 import json
 import time
 
-from app.commands import bench_attention, bench_compute, bench_peer, bench_train
+from app.commands import bench_attention, bench_compute, bench_data, bench_peer, bench_train
 
 CASES = ((64, 8), (256, 32), (1024, 128), (4096, 1024))
 CP_SIZE = 8
@@ -45,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "model, tokens and steps, run alternately; tokens/s and the ratios")
     bench_peer.add_arguments(peer)  # stdlib-only at import: each side runs in its own process
     peer.set_defaults(_bench=bench_peer.run)
+    data = sub.add_parser("data", help="tokenize throughput: this pipeline at 1 task and every CPU vs "
+                                       "datasets.map(num_proc=CPUs), same rows and tokenize function")
+    bench_data.add_arguments(data)  # stdlib-only at import: Ray and datasets load when it runs
+    data.set_defaults(_bench=bench_data.run)
 
 
 def planner_latency(sequences: int, ranks: int, repeats: int, two_level: bool = False) -> dict[str, float]:

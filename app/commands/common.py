@@ -1,8 +1,9 @@
-"""Arguments shared by the commands: --config, repeated --set overrides, --json."""
+"""Arguments shared by the commands: --config, repeated --set overrides, --json; a summary as a table."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from app.config import SkrullConfig, load_config
 
@@ -31,3 +32,19 @@ def config_from_args(args: argparse.Namespace, *, derive_bucket_size: bool = Tru
 
         config, _ = resolve_bucket_size(config)
     return config
+
+
+def format_summary(summary: dict[str, Any], title: str = "data synth") -> str:
+    """A two-column rich table of the summary, rendered to text."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in summary.items():
+        table.add_row(name, str(value))
+    console = Console(width=100)
+    with console.capture() as capture:
+        console.print(table)
+    return capture.get().rstrip()

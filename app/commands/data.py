@@ -1,6 +1,8 @@
-"""`skrull data synth` writes a synthetic chat dataset; `skrull data preview` shows rows as training does.
+"""`skrull data synth` writes a synthetic chat dataset; `skrull data preview` shows rows as training does;
+`skrull data prepare` tokenizes a run's data once (app/commands/data_prepare.py).
 
     python -m app data preview --config X [-n 3] [--set KEY=VALUE ...] [--json]
+    python -m app data prepare --config X --out DIR|URI [--set KEY=VALUE ...] [--overwrite] [--json]
 
 `preview` prints the first n rows after the row format, the chat template and the length limit (app/data/
 preview.py): each row's status, format, tokens and label tokens, and its decoded text with the
@@ -17,7 +19,7 @@ Rows: `sample_id` (int64) and `messages` (list of {role, content}). Target lengt
 template; the command re-tokenizes the first rows it wrote and prints the measured error.
 
 Writes cannot lose data: every file goes into a temporary directory next to --out (same filesystem), and
-only when all of them are written do they replace --out's part-*.parquet files (see `staged_output`). A
+only when all of them are written do they replace --out's part-*.parquet files (app/commands/staging.py). A
 failure at any point (a bad --tokenizer, a full disk, an unwritable --out) leaves --out exactly as it was.
 """
 
@@ -25,17 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from app.commands.common import add_config_arguments, add_json_argument, config_from_args
+from app.commands import data_prepare
+from app.commands.common import add_config_arguments, add_json_argument, config_from_args, format_summary
+from app.commands.staging import staged_output
 from app.config import ConfigError
 
 _VERIFY_ROWS = 2000  # rows re-tokenized after writing to measure |actual - target| (~0.5 s)
@@ -59,11 +57,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(preview)
     preview.add_argument("-n", type=int, default=3, help="how many rows (default 3)")
     add_json_argument(preview)
+    prepare = sub.add_parser("prepare", help="tokenize the run's data once on Ray into Parquet shards and a "
+                             "manifest; train from them with data.source=prepared")
+    data_prepare.add_arguments(prepare)  # stdlib-only at import: Ray loads when it runs
 
 
 def run(args: argparse.Namespace) -> int:
     if args.data_command == "preview":
         return show_preview(args)
+    if args.data_command == "prepare":
+        return data_prepare.run(args)
     if args.data_command == "synth":
         summary = synthesize(args)
         print(json.dumps(summary) if args.json else format_summary(summary))
@@ -89,120 +92,6 @@ def _check_args(args: argparse.Namespace) -> Path:
     if foreign:
         raise ConfigError(f"--out={args.out!r} holds parquet files `data synth` did not write: {foreign[:3]}")
     return out
-
-
-def _unwritable(out: Path, err: OSError) -> ConfigError:
-    return ConfigError(f"--out={str(out)!r} cannot be written ({type(err).__name__}: {err}); nothing in it "
-                       "was changed; choose a writable --out")
-
-
-@contextmanager
-def staged_output(out: Path) -> Iterator[Path]:
-    """Yield an empty staging directory; on a clean exit its files replace out's *.parquet files.
-
-        1. create out's missing parents; staging = a fresh temporary directory next to out (same parent,
-           so the same filesystem and every rename below is atomic); inside out when out is a mount point
-           or its parent cannot be written
-        2. the caller writes every file into staging
-        3. commit, when out is missing: rename(staging, out)
-                   when out is a plain dir holding only *.parquet files: rename(out, aside),
-                       rename(staging, out), delete aside (a reader sees the old files or the new
-                       ones, never a mix; between the two renames, for an instant, no directory)
-                   otherwise (other files in out, a symlink, a mount point): move out's *.parquet into a
-                       temporary dir inside out, move the new files in, delete the old ones; each step is a
-                       rename, and a failure moves everything back
-    On any exception (in the caller's writing or in the commit) staging and the parents this created are
-    removed, out is exactly as it was, and an OSError comes back as one ConfigError naming --out.
-    """
-    created = _make_parents(out)
-    staging: Path | None = None
-    try:
-        staging = _make_staging(out)
-        yield staging
-        _commit(staging, out)
-    except BaseException as err:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-        for directory in reversed(created):  # deepest first; rmdir only removes them while empty
-            with suppress(OSError):
-                directory.rmdir()
-        if isinstance(err, OSError):
-            raise _unwritable(out, err) from None
-        raise
-
-
-def _make_parents(out: Path) -> list[Path]:
-    """mkdir out's missing parents; the ones created, outermost first (to remove them on failure)."""
-    missing = [parent for parent in reversed(out.absolute().parents) if not parent.exists()]
-    try:
-        out.absolute().parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:  # a parent is a file, or a read-only directory
-        for directory in reversed(missing):
-            with suppress(OSError):
-                directory.rmdir()
-        raise _unwritable(out, err) from None
-    return missing
-
-
-def _make_staging(out: Path) -> Path:
-    """A fresh directory on out's filesystem, with the mode out has (or, when out is new, mkdir's)."""
-    in_place = out.is_dir() and (os.path.ismount(out) or not os.access(out.absolute().parent, os.W_OK))
-    where = out if in_place else out.absolute().parent
-    while True:  # os.mkdir, not tempfile.mkdtemp (0700): after the rename this directory *is* out
-        staging = where / f".{out.name}.synth-{secrets.token_hex(4)}"
-        try:
-            staging.mkdir()
-            break
-        except FileExistsError:
-            continue
-    if out.is_dir():
-        staging.chmod(out.stat().st_mode & 0o7777)
-    return staging
-
-
-def _commit(staging: Path, out: Path) -> None:
-    if not out.exists():
-        os.rename(staging, out)
-        return
-    entries = list(out.iterdir())
-    only_parquet = all(p.is_file() and p.suffix == ".parquet" for p in entries)
-    if only_parquet and staging.parent == out.absolute().parent and not out.is_symlink() \
-            and not os.path.ismount(out):
-        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=staging.parent))
-        os.rename(out, aside)  # onto the empty directory mkdtemp made: POSIX rename replaces it
-        try:
-            os.rename(staging, out)
-        except OSError:
-            os.rename(aside, out)
-            raise
-        shutil.rmtree(aside, ignore_errors=True)
-        return
-    _swap_files(staging, out)
-
-
-def _swap_files(staging: Path, out: Path) -> None:
-    """Replace out's *.parquet with staging's files one rename at a time, undoing every step on failure."""
-    old_dir = Path(tempfile.mkdtemp(prefix=".synth-old-", dir=out))
-    moved_old: list[Path] = []
-    moved_new: list[Path] = []
-    try:
-        for old in sorted(out.glob("*.parquet")):
-            os.rename(old, old_dir / old.name)
-            moved_old.append(old)
-        for new in sorted(staging.iterdir()):
-            os.rename(new, out / new.name)
-            moved_new.append(out / new.name)
-    except OSError:
-        for new in moved_new:
-            with suppress(OSError):
-                os.rename(new, staging / new.name)
-        for old in moved_old:
-            with suppress(OSError):
-                os.rename(old_dir / old.name, old)
-        shutil.rmtree(old_dir, ignore_errors=True)
-        raise
-    shutil.rmtree(old_dir, ignore_errors=True)
-    shutil.rmtree(staging, ignore_errors=True)
 
 
 def synthesize(args: argparse.Namespace) -> dict[str, Any]:
@@ -262,22 +151,6 @@ def _summary(args: argparse.Namespace, targets: Any, files: list[str], seconds: 
         "verified_rows": int(len(measured)), "abs_error_median": float(np.median(error)),
         "abs_error_max": int(error.max()),
     }
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """A two-column rich table of the summary, rendered to text."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="data synth")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for name, value in summary.items():
-        table.add_row(name, str(value))
-    console = Console(width=100)
-    with console.capture() as capture:
-        console.print(table)
-    return capture.get().rstrip()
 
 
 def show_preview(args: argparse.Namespace) -> int:

@@ -12,7 +12,11 @@
     ├── readers.py     format detection, ordered file lists, local (Ray-free) row batches
     ├── hub.py         data.source=hf: datasets.load_dataset(path, name, split, data_files), once per process
     ├── ray_ops.py     the callable classes Ray Data runs in `map_batches` (generate, tokenize)
-    ├── pipeline.py    tokenized_dataset(data_cfg, ...), scan_dataset(dataset, ...) -> DataScan
+    ├── pipeline.py    tokenized_dataset(resolved, num_cpus, tasks): the Ray Data pipeline, stream order
+    ├── concurrency.py tokenize tasks at once (data.tokenize_concurrency)
+    ├── scan.py        scan_dataset / ScanTally -> DataScan: the data summary and the checks before training
+    ├── prepared.py    a prepared set: its manifest, the identity check, reading its shards without Ray
+    ├── prepare.py     `data prepare` on Ray: tokenize once, Parquet shards in stream order, the manifest
     ├── malformed.py   malformed rows by reason, first offender, the data.max_malformed_fraction check
     └── lengths.py     dataset_token_lengths(data_cfg): token counts without Ray, for the `plan` dry run
 

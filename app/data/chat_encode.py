@@ -176,7 +176,7 @@ def _encode_tiktoken(tok: TextTokenizer, texts: Sequence[str], spans: Sequence[S
     layouts = [_tiktoken_pieces(text, controls) for text in texts]
     unique = list(dict.fromkeys(text[start:end] for text, layout in zip(texts, layouts, strict=True)
                                 for start, end, token in layout if token is None))
-    encoded = dict(zip(unique, tok.backend._tokenizer.encode_ordinary_batch(unique, num_threads=2),
+    encoded = dict(zip(unique, tok.backend._tokenizer.encode_ordinary_batch(unique, num_threads=tok.threads),
                        strict=True))
     byte_lengths = _byte_lengths(tok)
     out: list[EncodedChat | str] = []

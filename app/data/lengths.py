@@ -4,6 +4,8 @@
                            template code Ray Data runs, and keep the lengths of usable rows
     data.source=synthetic  the synthetic targets (the generator hits them exactly: see app/data/synth.py),
                            raised to the shortest conversation the template allows
+    data.source=prepared   the shards' num_tokens and status columns (app/data/prepared.py), after the
+                           manifest is checked against the config (`max_length` is then required)
 
 No length limit is applied: the caller compares the lengths with SkrullConfig.max_sequence_length itself.
 Malformed rows are counted by reason and rows by row format (what data.format_type=auto chose) over the
@@ -52,11 +54,14 @@ def dataset_token_lengths(data: DataConfig, limit: int | None = None) -> np.ndar
     return scan_local(data, limit).lengths
 
 
-def scan_local(data: DataConfig, limit: int | None = None) -> LocalScan:
+def scan_local(data: DataConfig, limit: int | None = None, max_length: int | None = None) -> LocalScan:
     """dataset_token_lengths with what the rows read were: by format, malformed by reason.
 
-    The synthetic source is all `messages` rows and never malformed.
+    The synthetic source is all `messages` rows and never malformed. max_length: the run's maximum
+    sequence length (only a prepared set needs it: its manifest must match).
     """
+    if data.source == "prepared":
+        return _scan_prepared(data, limit, max_length)
     tok = load_tokenizer(data.tokenizer)
     if data.source == "synthetic":
         num = data.num_samples if limit is None else min(limit, data.num_samples)
@@ -78,6 +83,31 @@ def scan_local(data: DataConfig, limit: int | None = None) -> LocalScan:
         count_formats(formats, out.format)
         lengths += [n for n, status in zip(out.num_tokens, out.status, strict=True) if status == RowStatus.OK]
         if remaining == 0:
+            break
+    check_malformed(data, malformed)
+    return LocalScan(np.asarray(lengths, dtype=np.int64), malformed, dict(formats.most_common()))
+
+
+def _scan_prepared(data: DataConfig, limit: int | None, max_length: int | None) -> LocalScan:
+    """scan_local of a prepared set: its rows' statuses and lengths as `data prepare` wrote them (already
+    cut to max_length: truncated rows count as usable, as the run's stream has them)."""
+    from app.data.prepared import iter_rows
+    from app.data.resolved import resolve_data
+    from scheduling.payload import USABLE_STATUSES
+
+    if max_length is None:
+        raise ValueError("a prepared set is checked against the run's maximum sequence length: max_length")
+    source = resolve_data(data, max_length=max_length).source
+    lengths: list[int] = []
+    malformed = MalformedTally()
+    formats: Counter[str] = Counter()
+    columns = ("num_tokens", "status", "reason", "format")
+    for rows in iter_rows(source, data.tokenize_batch_size, columns):
+        rows = rows if limit is None else rows[: limit - malformed.rows]
+        malformed.add([r["status"] for r in rows], [r["reason"] for r in rows])
+        count_formats(formats, [r["format"] for r in rows])
+        lengths += [r["num_tokens"] for r in rows if r["status"] in USABLE_STATUSES]
+        if limit is not None and malformed.rows >= limit:
             break
     check_malformed(data, malformed)
     return LocalScan(np.asarray(lengths, dtype=np.int64), malformed, dict(formats.most_common()))

@@ -3,7 +3,7 @@
 A row no row format can read (app/data/formats/) or the template cannot render (app/data/template.py) has
 status `malformed` and a short `reason` ("messages[1].content is a number, not a string", "bad JSON
 (Expecting ',' delimiter)", "conversations[2].from is 'bot', not one of ...", ...). The pre-start
-scan (app/data/pipeline.py scan_dataset) and the `plan` dry run (app/data/lengths.py) both fold their rows
+scan (app/data/scan.py scan_dataset) and the `plan` dry run (app/data/lengths.py) both fold their rows
 into a MalformedTally, show it in the data summary and call `check_malformed`, which raises a DataError
 naming the file, the fraction, the most common reason and data.max_malformed_fraction. Nothing here
 imports Ray.
@@ -98,6 +98,8 @@ def data_location(data: DataConfig) -> str:
         return f"data.path={data.path!r}"
     if data.source == "hf":
         return f"data.path={data.path!r} (data.source=hf, data.split={data.split!r})"
+    if data.source == "prepared":
+        return f"data.path={data.path!r} (data.source=prepared)"
     return f"data.source=synthetic (data.num_samples={data.num_samples})"
 
 

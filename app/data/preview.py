@@ -3,6 +3,7 @@
     rows of data.path / the hub / the synthetic source     (the same readers and generator as the run)
       -> tokenize_rows with the run's template settings     (app/data/template.py: template, labels,
                                                              data.max_length and data.too_long applied)
+       | a prepared set's rows as `data prepare` tokenized them (its manifest checked against the config)
       -> PreviewRow per row: status, format, tokens, label tokens, ids and labels (-100: no loss)
       -> decoded text in spans of equal labeling, loss-bearing spans highlighted
 
@@ -13,7 +14,7 @@ whole. Nothing here starts Ray: the rows are read the way `plan` reads them (app
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +54,12 @@ class PreviewRow:
 
 def preview_rows(config: SkrullConfig, count: int) -> tuple[list[PreviewRow], TextTokenizer]:
     """The first `count` rows of the run's data, tokenized with the run's settings, and the tokenizer."""
-    from app.data.resolved import template_settings
+    from app.data.resolved import resolve_data, template_settings
 
+    if config.data.source == "prepared":
+        data = resolve_data(config.data, max_length=config.max_sequence_length)
+        tokenized = itertools.islice(prepared_rows(data.source), count)
+        return [_preview_row(i, row) for i, row in enumerate(tokenized)], data.tokenizer
     tok = load_tokenizer(config.data.tokenizer)
     settings = template_settings(config.data, config.max_sequence_length)
     raw = list(itertools.islice(_raw_rows(config), count))
@@ -123,14 +128,27 @@ def plain_text(tok: TextTokenizer, row: PreviewRow) -> str:
     return f"{row_header(row)}\n{body}"
 
 
-def first_usable_example(dataset: Any, tok: TextTokenizer) -> str | None:
-    """plain_text of the first usable row of a tokenized Ray dataset (the `train` log's example row)."""
+def first_usable_example(rows: Iterable[dict[str, Any]], tok: TextTokenizer) -> str | None:
+    """plain_text of the first usable row of tokenized rows in stream order (a tokenized Ray dataset's
+    `iter_rows()`, or prepared_rows): the `train` log's example row."""
     from scheduling.payload import USABLE_STATUSES
 
-    for index, row in enumerate(dataset.iter_rows()):
+    for index, row in enumerate(rows):
         if str(row["status"]) in USABLE_STATUSES:
-            preview = PreviewRow(index=index, status=str(row["status"]), format=str(row.get("format") or ""),
-                                 reason="", input_ids=np.asarray(row["input_ids"]).tolist(),
-                                 labels=np.asarray(row["labels"]).tolist())
-            return plain_text(tok, preview)
+            return plain_text(tok, _preview_row(index, row))
     return None
+
+
+def prepared_rows(source: Any) -> Iterator[dict[str, Any]]:
+    """A prepared set's tokenized rows in stream order, read with pyarrow (app/data/prepared.py)."""
+    from app.data.prepared import iter_rows
+
+    for batch in iter_rows(source, 64):
+        yield from batch
+
+
+def _preview_row(index: int, row: dict[str, Any]) -> PreviewRow:
+    """A tokenized row (the pipeline's columns) as a PreviewRow."""
+    return PreviewRow(index=index, status=str(row["status"]), format=str(row.get("format") or ""),
+                      reason=str(row.get("reason") or ""), input_ids=np.asarray(row["input_ids"]).tolist(),
+                      labels=np.asarray(row["labels"]).tolist())

@@ -4,18 +4,26 @@
     read_parquet / read_text / from_arrow --> {every column of the rows | json_line rows}
         --TokenizeBatch--> {input_ids list<int32>, labels list<int32>, num_tokens, raw_tokens, label_tokens,
                             status, reason ("" unless status is malformed), format (the row format)}
+        [--write_shard--> the block as one Parquet shard; returned: its scan columns + `shard` (its name)]
 
-`tokenize` and `synthesize_and_tokenize` are plain functions, so Ray Data runs them as tasks fused with the
-read into one task (an actor-pool map would be a process of its own beside the read task, ~2-4 s of CPU to
-start); each builds its classes once per worker process (the constructors load the tokenizer), keyed by
-their arguments (fixed for a job, whose task workers Ray reuses). Both take and return pyarrow Tables
-(`batch_format="pyarrow"`); the token columns are built as Arrow list arrays from one flat int32 buffer
-plus offsets, not from per-row Python lists. Nothing here imports Ray.
+`tokenize` and `synthesize_and_tokenize` are plain functions, so Ray Data runs them as tasks (an actor-pool
+map would be a process of its own beside the read task, ~2-4 s of CPU to start); each builds its classes
+once per worker process (the constructors load the tokenizer), keyed by their arguments (fixed for a job,
+whose task workers Ray reuses). One task, one core: the tokenizer encodes single-threaded there (the
+qwen vocabulary's batch threads; HF tokenizers' Rayon pool through TOKENIZERS_PARALLELISM=false unless
+the environment sets it), since the tasks are the parallelism (data.tokenize_concurrency,
+resources.data_cpus each): a task's extra threads only contend with the other tasks. Both take and return
+pyarrow Tables (`batch_format="pyarrow"`); the token columns are built as Arrow list arrays from one flat
+int32 buffer plus offsets, not from per-row Python lists. Nothing here imports Ray.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +34,9 @@ from app.data.template import TemplateSettings, tokenize_rows
 from app.data.tokenizer import load_tokenizer
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+TOKENIZED_COLUMNS = ("input_ids", "labels", "num_tokens", "raw_tokens", "label_tokens", "status", "reason",
+                     "format")
+"""A tokenized row (TokenizeBatch's output): what the planner, the scan and `data prepare` read."""
 
 
 class SynthesizeBatch:
@@ -78,15 +89,74 @@ class TokenizeBatch:
         return batch.to_pylist()  # every column: the row format decides which it reads (app/data/formats/)
 
 
-def tokenize(batch: pa.Table, tokenize: tuple[Any, ...]) -> pa.Table:
-    """TokenizeBatch(*tokenize)(batch): rows of data.path -> tokenized rows."""
-    return _tokenizer_of(*tokenize)(batch)
+@dataclass(frozen=True)
+class ShardTarget:
+    """`data prepare`: the directory (a local path or a URI, workers/storage.py Location) a tokenize task
+    writes each block into, as one Parquet shard named `{prefix}{random hex}.parquet`, tokenizing
+    `batch_rows` rows at a time (data.tokenize_batch_size) so that a task's memory does not grow with its
+    block."""
+
+    directory: str
+    prefix: str = "part-"
+    batch_rows: int = 64
 
 
-def synthesize_and_tokenize(batch: pa.Table, synthesize: tuple[Any, ...],
-                            tokenize: tuple[Any, ...]) -> pa.Table:
+SHARD_COLUMN = "shard"
+"""The summary a shard-writing task returns instead of its rows: the scan's columns (app/data/scan.py) and
+the name of the shard every row went into (dictionary-encoded: one string a block)."""
+
+
+ROW_GROUP_BYTES = 32 << 20
+"""Tokenized bytes a shard's row group gathers before it is written: a reader (Ray Data's Parquet read, the
+planner's RowTable) gets blocks of thousands of rows, not one per tokenize batch (64 rows gave 15,645 blocks
+for 1M rows, and a 41 s, 1 GB index), while a task holds at most this much of its block at once."""
+
+
+def write_shard(rows: pa.Table, tokenize: Callable[[pa.Table], pa.Table], target: ShardTarget) -> pa.Table:
+    """Tokenize `rows` (a block) target.batch_rows at a time into one shard under `target`, in row groups
+    of about ROW_GROUP_BYTES; the block's summary rows (SHARD_COLUMN)."""
+    import uuid
+
+    import pyarrow.parquet as pq
+
+    from app.data.scan import SCAN_COLUMNS
+    from workers.storage import Location
+
+    name = f"{target.prefix}{uuid.uuid4().hex}.parquet"
+    summaries: list[pa.Table] = []
+    if rows.num_rows:
+        where = Location.of(target.directory)
+        with where.filesystem.open_output_stream(f"{where.path}/{name}") as stream:
+            writer, group, grouped = None, [], 0
+            for start in range(0, rows.num_rows, target.batch_rows):
+                out = tokenize(rows.slice(start, target.batch_rows))
+                writer = writer or pq.ParquetWriter(stream, out.schema, compression="zstd")
+                group.append(out)
+                grouped += out.nbytes
+                summaries.append(out.select(list(SCAN_COLUMNS)))
+                if grouped >= ROW_GROUP_BYTES:
+                    writer.write_table(pa.concat_tables(group))
+                    group, grouped = [], 0
+            if group:
+                writer.write_table(pa.concat_tables(group))
+            writer.close()
+    summary = pa.concat_tables(summaries) if summaries else tokenize(rows).select(list(SCAN_COLUMNS))
+    shard = pa.DictionaryArray.from_arrays(pa.array(np.zeros(summary.num_rows, np.int32)), pa.array([name]))
+    return summary.append_column(SHARD_COLUMN, shard)
+
+
+def tokenize(batch: pa.Table, tokenize: tuple[Any, ...], write: ShardTarget | None = None) -> pa.Table:
+    """TokenizeBatch(*tokenize)(batch): rows of data.path -> tokenized rows (with `write`: written as a
+    shard, and its summary returned)."""
+    tokenizer = _tokenizer_of(*tokenize)
+    return tokenizer(batch) if write is None else write_shard(batch, tokenizer, write)
+
+
+def synthesize_and_tokenize(batch: pa.Table, synthesize: tuple[Any, ...], tokenize: tuple[Any, ...],
+                            write: ShardTarget | None = None) -> pa.Table:
     """SynthesizeBatch(*synthesize), then TokenizeBatch(*tokenize): the synthetic source in one task."""
-    return _tokenizer_of(*tokenize)(_synthesizer_of(*synthesize)(batch))
+    rows, tokenizer = _synthesizer_of(*synthesize)(batch), _tokenizer_of(*tokenize)
+    return tokenizer(rows) if write is None else write_shard(rows, tokenizer, write)
 
 
 @functools.lru_cache(maxsize=4)
@@ -96,7 +166,11 @@ def _synthesizer_of(*args: Any) -> SynthesizeBatch:
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer_of(*args: Any) -> TokenizeBatch:
-    return TokenizeBatch(*args)
+    """The process's TokenizeBatch for these arguments, single-threaded (see the module docstring)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    batch = TokenizeBatch(*args)
+    batch.tok = dataclasses.replace(batch.tok, threads=1)  # a copy: the cached tokenizer keeps its threads
+    return batch
 
 
 def int32_lists(arrays: list[np.ndarray]) -> pa.ListArray:

@@ -2,6 +2,8 @@
 
     resolve_data(data, max_length)                     (preflight calls it, before Ray starts)
         ├── resolve_source(data.path)                  files in read order, format, columns (not synthetic)
+        │   or read_manifest(data.path)                data.source=prepared: the manifest, read once; its
+        │                                              identity checked against this config (check_identity)
         ├── resolve_source(data.eval_path)             only with data.eval_path; errors name that key
         ├── load_tokenizer(data.tokenizer)
         ├── TemplateSettings (a data.chat_template file is read here) + check_chat_template
@@ -28,6 +30,7 @@ from app.data.chat_template import (
 )
 from app.data.fingerprint import data_fingerprint
 from app.data.formats import check_format_settings
+from app.data.prepared import Manifest, check_identity, identity_of, prepared_fingerprint, read_manifest
 from app.data.readers import DataSource, resolve_source
 from app.data.split import as_eval_path_error, eval_data_config
 from app.data.template import TemplateSettings
@@ -48,6 +51,8 @@ class ResolvedData:
     """data.eval_path's files; None without data.eval_path."""
     fingerprints: dict[str, Any] = dataclasses.field(default_factory=dict)
     """{"data.path": ..., "data.eval_path": ... (only with it)}: app/data/fingerprint.py."""
+    manifest: Manifest | None = None
+    """data.source=prepared: the prepared set's manifest (`source` holds its shards); None otherwise."""
 
     @property
     def chat_template_text(self) -> str | None:
@@ -59,7 +64,11 @@ class ResolvedData:
         if self.eval_source is None:
             return None
         return dataclasses.replace(self, config=eval_data_config(self.config), source=self.eval_source,
-                                   eval_source=None)
+                                   eval_source=None, manifest=None)
+
+    def identity(self) -> dict[str, Any]:
+        """What these rows depend on, by config knob (app/data/prepared.py): a prepared set's manifest."""
+        return identity_of(self.config, self.tokenizer, self.settings, self.chat_template_text)
 
 
 def template_settings(data: DataConfig, max_length: int | None) -> TemplateSettings:
@@ -74,18 +83,27 @@ def template_settings(data: DataConfig, max_length: int | None) -> TemplateSetti
 def resolve_data(data: DataConfig, *, max_length: int) -> ResolvedData:
     """Resolve data.* once; a DataError (a ConfigError) names the knob when anything is unusable."""
     check_format_settings(data.format_type, data.columns)  # app/data/formats/
-    source = resolve_source(data) if data.source != "synthetic" else None
+    manifest = read_manifest(data) if data.source == "prepared" else None
+    if manifest is not None:
+        source: DataSource | None = manifest.data_source()
+    else:
+        source = resolve_source(data) if data.source != "synthetic" else None
     eval_source = _eval_source(data)
     tokenizer = load_tokenizer(data.tokenizer)
     if data.source == "synthetic":
         tokenizer.require_chat_ids()
     settings = template_settings(data, max_length)
     check_chat_template(tokenizer, settings)  # app/data/chat_template.py
-    fingerprints = {"data.path": data_fingerprint(data, source)}
+    if manifest is not None:
+        template = resolve_template(tokenizer, data.chat_template, settings.template_text).text
+        check_identity(manifest, identity_of(data, tokenizer, settings, template), data)
+        fingerprints = {"data.path": prepared_fingerprint(manifest, data)}
+    else:
+        fingerprints = {"data.path": data_fingerprint(data, source)}
     if eval_source is not None:
         fingerprints["data.eval_path"] = data_fingerprint(data, eval_source, data.eval_path)
     return ResolvedData(config=data, tokenizer=tokenizer, settings=settings, source=source,
-                        eval_source=eval_source, fingerprints=fingerprints)
+                        eval_source=eval_source, fingerprints=fingerprints, manifest=manifest)
 
 
 def _eval_source(data: DataConfig) -> DataSource | None:

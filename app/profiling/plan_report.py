@@ -116,7 +116,7 @@ def sample_batches_with_data(config: SkrullConfig) -> tuple[list[np.ndarray], To
     if data.source != "synthetic":
         from app.data.lengths import scan_local  # another component; only needed for real data
 
-        scan = scan_local(data, limit=num * size)
+        scan = scan_local(data, limit=num * size, max_length=config.max_sequence_length)
         lengths, read = np.asarray(scan.lengths, dtype=np.int64), scan.as_json()
     else:
         raw = sample_lengths(data.distribution, 2 * num * size, data.seed)  # spare rows for too_long=drop

@@ -105,7 +105,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def data_summary(scan: Any, *, train_rows: int, eval_rows: int = 0) -> dict[str, Any]:
-    """The data scan (app/data/pipeline.py DataScan) as data_summary.json's document."""
+    """The data scan (app/data/scan.py DataScan) as data_summary.json's document."""
     lengths = [int(n) for n in scan.lengths]
     return {"line": scan.summary(), "rows": int(scan.num_rows), "usable_rows": int(scan.num_usable),
             "tokens": sum(lengths), "label_tokens": int(scan.label_tokens),

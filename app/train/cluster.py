@@ -21,9 +21,10 @@ from app.train.signals import raise_terminated
 
 
 @contextlib.contextmanager
-def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[bool]:
+def ray_session(config: SkrullConfig, *, worker_logs: bool = True, training: bool = True) -> Iterator[bool]:
     """Join RAY_ADDRESS's cluster, or start an embedded one sized for Ray Data + planner + workers.
 
+    training=False (`data prepare`, `bench data`): the embedded Ray need not hold the run's workers.
     A Ray that is already initialized in this process is used as it is (and left running). An embedded Ray
     never attaches to another Ray on the machine by accident (`address="local"`), and while it runs
     RAY_ADDRESS names it, so that Ray Train's helper processes find this instance and not another one.
@@ -42,7 +43,8 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True) -> Iterator[b
         from app.train.preflight import check_embedded_cpus
 
         num_cpus = config.resources.num_cpus or (os.cpu_count() or 1) + 2
-        check_embedded_cpus(config, num_cpus)
+        if training:
+            check_embedded_cpus(config, num_cpus)
         start_local_ray(num_cpus, log_to_driver=worker_logs)
     if sigterm is raise_terminated and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, sigterm)  # ray.init replaced it (sigterm_stops_like_ctrl_c)

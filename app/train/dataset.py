@@ -1,10 +1,12 @@
 """A run's tokenized data on Ray: tokenized once, scanned, split into training and eval rows.
 
-    ResolvedData (preflight) ─▶ tokenized_dataset(...).materialize() ─▶ scan_dataset (too long? empty?
-        malformed?) ─▶ the data summary (terminal, <run_dir>/data_summary.json) ─▶ split_counts (eval rows)
+    ResolvedData (preflight) ─▶ tokenized_dataset(..., tasks=cluster_tokenize_tasks(...)).materialize()
+        ─▶ scan_dataset (too long? empty? malformed?) ─▶ the data summary (terminal,
+        <run_dir>/data_summary.json) ─▶ split_counts (eval rows)
 
 The scan and the planner's stream read the same materialized blocks (the object store spills them to disk
-when they outgrow memory), so nothing is tokenized twice.
+when they outgrow memory), so nothing is tokenized twice. A prepared set (data.source=prepared) is not
+materialized: it is on disk already, the scan reads its small columns and the planner streams the shards.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
     from ray.data import Dataset
 
     from app.data.resolved import ResolvedData
-    from app.data.tokenizer import TextTokenizer
+    from app.data.scan import DataScan
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +39,8 @@ class PreparedData:
 
 def prepared_data(config: SkrullConfig, data: ResolvedData, *, progress: bool, out: TextIO, embedded: bool,
                   planners: int = 1, run_dir: Path | None = None) -> PreparedData:
-    """Check the cluster fits, tokenize once (materialized), scan it, split off the eval set.
+    """Check the cluster fits, tokenize once (materialized; a prepared set as it is), scan it, split off the
+    eval set.
 
     The scan stops the run here, before the planner and the workers start, when more than
     data.max_malformed_fraction of the rows read are malformed (a DataError naming data.path, the fraction
@@ -50,7 +53,7 @@ def prepared_data(config: SkrullConfig, data: ResolvedData, *, progress: bool, o
     """
     import ray
 
-    from app.data.pipeline import scan_dataset, tokenized_dataset
+    from app.data.concurrency import cluster_tokenize_tasks
     from app.data.split import split_counts
     from app.train.preflight import check_cluster_fits, check_epoch_fits
 
@@ -59,12 +62,12 @@ def prepared_data(config: SkrullConfig, data: ResolvedData, *, progress: bool, o
     warning = check_cluster_fits(sized, ray.cluster_resources(), embedded=embedded)
     if warning:
         print(warning, file=out, flush=True)
-    dataset = tokenized_dataset(data, num_cpus=config.resources.data_cpus).materialize()
-    scan = scan_dataset(dataset, config.data, max_length=config.max_sequence_length)
+    tasks = cluster_tokenize_tasks(sized)  # app/data/concurrency.py: what training leaves
+    dataset, scan = _tokenized_and_scanned(config, data, tasks)
     if progress:
         print(scan.summary(), file=out, flush=True)
-        _log_example_row(dataset, data.tokenizer)
-    eval_dataset, eval_path_rows = _eval_path_dataset(config, data, progress=progress, out=out)
+        _log_example_row(dataset, data)
+    eval_dataset, eval_path_rows = _eval_path_dataset(config, data, tasks, progress=progress, out=out)
     counts = split_counts(scan.positions, config.data, eval_path_rows=eval_path_rows)
     if progress and config.data.eval_fraction:
         print(f"eval: {counts.eval_rows} rows held out (data.eval_fraction={config.data.eval_fraction}), "
@@ -79,28 +82,41 @@ def prepared_data(config: SkrullConfig, data: ResolvedData, *, progress: bool, o
                         eval_rows=counts.eval_rows)
 
 
-def _log_example_row(dataset: Dataset, tokenizer: TextTokenizer) -> None:
+def _tokenized_and_scanned(config: SkrullConfig, data: ResolvedData, tasks: int) -> tuple[Dataset, DataScan]:
+    """(the tokenized dataset, its scan): materialized when tokenized here, the shards when prepared."""
+    from app.data.pipeline import tokenized_dataset
+    from app.data.scan import scan_dataset
+
+    dataset = tokenized_dataset(data, num_cpus=config.resources.data_cpus, tasks=tasks)
+    if data.manifest is None:
+        dataset = dataset.materialize()
+    return dataset, scan_dataset(dataset, config.data, max_length=config.max_sequence_length)
+
+
+def _log_example_row(dataset: Dataset, data: ResolvedData) -> None:
     """One training row, decoded, loss-bearing text in [[ ]], to stdout: the run's log under a quiet terminal
     (app/train/console.py), so what the model trains on is on record without cluttering the terminal."""
-    from app.data.preview import first_usable_example
+    from app.data.preview import first_usable_example, prepared_rows
 
-    example = first_usable_example(dataset, tokenizer)
+    rows = dataset.iter_rows() if data.manifest is None else prepared_rows(data.source)
+    example = first_usable_example(rows, data.tokenizer)
     if example is not None:
         print(f"example training row (loss on [[...]]):\n{example}", flush=True)
 
 
-def _eval_path_dataset(config: SkrullConfig, data: ResolvedData, *, progress: bool,
+def _eval_path_dataset(config: SkrullConfig, data: ResolvedData, tasks: int, *, progress: bool,
                        out: TextIO) -> tuple[Any, int]:
     """(materialized data.eval_path rows, usable rows), or (None, 0) without data.eval_path."""
     from app.data import DataError
-    from app.data.pipeline import scan_dataset, tokenized_dataset
+    from app.data.pipeline import tokenized_dataset
+    from app.data.scan import scan_dataset
     from app.data.split import as_eval_path_error
 
     eval_data = data.eval_data()
     if eval_data is None:
         return None, 0
     try:
-        dataset = tokenized_dataset(eval_data, num_cpus=config.resources.data_cpus).materialize()
+        dataset = tokenized_dataset(eval_data, num_cpus=config.resources.data_cpus, tasks=tasks).materialize()
         scan = scan_dataset(dataset, eval_data.config, max_length=config.max_sequence_length)
     except DataError as err:
         raise as_eval_path_error(err, config.data) from None
