@@ -37,13 +37,15 @@ def lpt_partition(costs: Sequence[float], parts: int) -> list[list[int]]:
 
     Ties between parts go to the lowest part index, so the result is deterministic.
     """
-    order = sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i))
+    weights = np.asarray(costs, dtype=np.float64)
+    order = np.argsort(-weights, kind="stable").tolist()  # stable: ties by index
+    values = weights.tolist()
     heap = [(0.0, part) for part in range(parts)]
     out: list[list[int]] = [[] for _ in range(parts)]
     for i in order:
         load, part = heapq.heappop(heap)
         out[part].append(i)
-        heapq.heappush(heap, (load + float(costs[i]), part))
+        heapq.heappush(heap, (load + values[i], part))
     return out
 
 

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from scheduling.balanced_packed import lpt_partition
 from scheduling.dacp import check_fits
 from scheduling.dacp_degrees import resolve_cp_degrees
-from scheduling.plans import DacpPlan, StepPlan, SubgroupShards, shard_tokens
+from scheduling.plans import DacpPlan, StepPlan, SubgroupShards
 
 __all__ = ["dynamic_cp", "smallest_degrees"]
 
@@ -41,8 +43,11 @@ __all__ = ["dynamic_cp", "smallest_degrees"]
 def smallest_degrees(lengths: Sequence[int], cp_size: int, bucket_size: int,
                      degrees: Sequence[int]) -> list[int]:
     """Per sequence, the smallest degree of `degrees` whose shard ceil(S/d) fits C (N when none does)."""
-    ordered = sorted(degrees)
-    return [next((d for d in ordered if shard_tokens(int(s), d) <= bucket_size), cp_size) for s in lengths]
+    tokens = np.asarray(lengths, dtype=np.int64)
+    chosen = np.full(len(tokens), cp_size, dtype=np.int64)
+    for d in sorted(degrees, reverse=True):  # the smallest fitting degree is written last
+        chosen[-(-tokens // d) <= bucket_size] = d  # ceil(S/d) <= C: shard_tokens
+    return chosen.tolist()
 
 
 class _Bucket:
@@ -58,6 +63,8 @@ class _Bucket:
 
     def group_for(self, degree: int, shard: int) -> int | None:
         """The aligned group of `degree` with room whose busiest rank has the least work, or None."""
+        if degree == 1:
+            return self._rank_for(shard)
         best, best_work = None, 0.0
         for group in range(len(self.remaining) // degree):
             lo, hi = group * degree, (group + 1) * degree
@@ -66,6 +73,14 @@ class _Bucket:
             work = max(self.rank_work[lo:hi])
             if best is None or work < best_work:
                 best, best_work = group, work
+        return best
+
+    def _rank_for(self, shard: int) -> int | None:
+        """group_for at degree 1 without slices: most sequences are whole, and this runs per sequence."""
+        best, best_work = None, 0.0
+        for rank, room in enumerate(self.remaining):
+            if room >= shard and (best is None or self.rank_work[rank] < best_work):
+                best, best_work = rank, self.rank_work[rank]
         return best
 
     def add(self, index: int, degree: int, group: int, shard: int, work: float) -> None:
@@ -113,19 +128,21 @@ def dynamic_cp(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_siz
     check_fits(lengths, cp_size, bucket_size)
     degrees = resolve_cp_degrees("auto" if cp_degrees is None else cp_degrees, cp_size)
     degree = smallest_degrees(lengths, cp_size, bucket_size, degrees)
-    shard = [shard_tokens(int(s), d) for s, d in zip(lengths, degree, strict=True)]
-    work = [float(s) * float(s) for s in lengths]
+    tokens = np.asarray(lengths, dtype=np.int64)
+    shard = (-(-tokens // np.asarray(degree, dtype=np.int64))).tolist()  # shard_tokens per sequence
+    work = (tokens.astype(np.float64) ** 2).tolist()
     shape = {"work": work, "degree": degree, "shard": shard, "cp_size": cp_size, "bucket_size": bucket_size}
     capacity = bucket_size * cp_size
+    partition = lpt_partition(work, dp_size)
     per_rank: list[list[_Bucket]] = []
-    for members in lpt_partition(work, dp_size):
+    for members in partition:
         count = max(1, -(-sum(shard[i] * degree[i] for i in members) // capacity))
         while (buckets := _buckets(members, count, **shape)) is None:
             count += 1  # ends: one sequence per bucket always fits (ceil(S/d) <= C)
         per_rank.append(buckets)
     target = max(len(b) for b in per_rank)
     plans = []
-    for members, buckets in zip(lpt_partition(work, dp_size), per_rank, strict=True):
+    for members, buckets in zip(partition, per_rank, strict=True):
         if len(buckets) < target:
             buckets = _buckets(members, target, **shape) or buckets
         mbs = [b.plan(cp_size) for b in buckets]
