@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         _top_level_parser().parse_args(argv)  # prints usage / the unknown-command error and exits
         return 2
+    from app.data.ray_env import apply_ray_data_defaults
+
+    apply_ray_data_defaults()  # before anything imports Ray Data
     args = build_command_parser(argv[0]).parse_args(argv[1:])
     from app.train.failures import RunFailed
     from scheduling import SchedulingError

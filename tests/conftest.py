@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from app.data.ray_env import apply_ray_data_defaults
 from workers.engine import use_extensions_cache_per_environment
 from workers.tools.launch import free_port as _free_port
 
@@ -34,6 +35,10 @@ if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
 # One DeepSpeed op cache per venv (workers/engine.py use_extensions_cache_per_environment), set here too so
 # that it reaches every process a test starts, including those that build ops before any engine.
 use_extensions_cache_per_environment()
+
+# The product's Ray Data settings (app/data/ray_env.py, which `python -m app` applies at its start), so
+# that tests that build pipelines in this process run the executor mode users get.
+apply_ray_data_defaults()
 
 # When Ray Train tears down a failed worker group, its torch backend first waits for every worker to
 # destroy its process group, up to TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S (30 s by default), before it

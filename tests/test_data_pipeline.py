@@ -189,3 +189,14 @@ def test_a_parquet_read_starts_one_footer_reader_per_ten_files(local_ray, tmp_pa
     monkeypatch.setenv(FOOTER_ACTORS_KNOB, "7")
     assert _footer_readers_of(read_parquet(tuple(files), None)) == 7
     assert read_parquet(tuple(files), None).count() == 23
+
+
+def test_ray_data_defaults_keep_the_users_setting() -> None:
+    from app.data.ray_env import RAY_DATA_DRIVER_DEFAULTS, apply_ray_data_defaults
+
+    environ: dict[str, str] = {}
+    apply_ray_data_defaults(environ)
+    assert environ == RAY_DATA_DRIVER_DEFAULTS
+    environ = {"RAY_DATA_METADATA_PREFETCH_ON_THREAD": "1"}
+    apply_ray_data_defaults(environ)
+    assert environ == {"RAY_DATA_METADATA_PREFETCH_ON_THREAD": "1"}

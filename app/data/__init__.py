@@ -14,6 +14,7 @@
     ├── ray_ops.py     the callable classes Ray Data runs in `map_batches` (generate, tokenize)
     ├── pipeline.py    tokenized_dataset(resolved, num_cpus, tasks): the Ray Data pipeline, stream order
     ├── concurrency.py tokenize tasks at once (data.tokenize_concurrency)
+    ├── ray_env.py     Ray Data settings of the driver process (set by `python -m app` at its start)
     ├── scan.py        scan_dataset / ScanTally -> DataScan: the data summary and the checks before training
     ├── prepared.py    a prepared set: its manifest, the identity check, reading its shards without Ray
     ├── prepare.py     `data prepare` on Ray: tokenize once, Parquet shards in stream order, the manifest
