@@ -224,13 +224,14 @@ def _median_error(predicted: np.ndarray, measured: np.ndarray) -> float:
 
 def _robust_fit(rows: np.ndarray, seconds: np.ndarray, prior: np.ndarray) -> np.ndarray:
     """The MAP fit (module docstring): Huber-IRLS relative least squares whose residuals are measured in
-    units of the window's own noise (sigma, re-estimated each round), against the prior's spread."""
-    spread = _prior_spread(rows, seconds, prior)
+    units of the window's own noise (sigma, re-estimated each round), against the prior (`_prior_rows`)."""
+    prior_rows, prior_targets = _prior_rows(rows, seconds, prior)
     hubers = np.ones(len(seconds))
     sigma = MIN_NOISE
     theta = prior.copy()
     for _ in range(_IRLS):
-        theta = _bounded_least_squares(rows, seconds, hubers / (seconds * sigma), prior, 1.0 / spread)
+        theta = _bounded_least_squares(rows, seconds, hubers / (seconds * sigma), prior_rows, prior_targets,
+                                       start=prior)
         residual = np.abs(rows @ theta - seconds) / seconds
         sigma = max(MIN_NOISE, 1.4826 * float(np.median(residual)))  # the MAD's normal-equivalent
         delta = 1.5 * sigma
@@ -239,34 +240,48 @@ def _robust_fit(rows: np.ndarray, seconds: np.ndarray, prior: np.ndarray) -> np.
     return theta
 
 
-def _prior_spread(rows: np.ndarray, seconds: np.ndarray, prior: np.ndarray) -> np.ndarray:
-    """How far each term may plausibly be from the profile in use (one standard deviation of the prior).
+def _prior_rows(rows: np.ndarray, seconds: np.ndarray, prior: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The prior as weighted linear rows (P, p): sum_k (P_k theta - p_k)^2 joins the least squares.
 
-    The compute and ring factors: PRIOR_SPREAD of their value. The micro-batch overhead: PRIOR_SPREAD of its
-    value or of a tenth of the median micro-batch, whichever is larger (a profile may have it near 0). A
-    sharded sequence: up to a tenth of the median micro-batch each. A term the window never exercises (no
-    sharded micro-batch) is pinned: nothing either way.
+    A profile from another machine, or an assumed one, is first of all off by one factor for everything
+    (a slower CPU, another GPU's clock), so the prior says: the compute factor is 1 give or take
+    PRIOR_SPREAD, and every other term is its anchor value times the *compute factor*, give or take its
+    spread (the ring factor: PRIOR_SPREAD; the micro-batch overhead: PRIOR_SPREAD of its value or a tenth
+    of the median micro-batch, whichever is larger, since a profile may have it near 0; a sharded
+    sequence's step: its value or a tenth of the median micro-batch per step). Where the window cannot tell
+    two terms apart (micro-batches all packed alike: compute against overhead) the terms then move together
+    and the data split only what they show: from a profile whose every time term is 3x off the fit lands
+    on the machine, where a prior centred on the anchor's own overhead would hold the overhead 3x off and
+    bias every prediction. A term the window never exercises (no sharded micro-batch) keeps its anchor
+    value.
     """
     typical_t = float(np.median(seconds))
     steps = rows[:, 3][rows[:, 3] > 0]
     spread = np.array([PRIOR_SPREAD * prior[0], PRIOR_SPREAD * prior[1],
                        max(PRIOR_SPREAD * prior[2], 0.1 * typical_t),
                        max(prior[3], 0.1 * typical_t / float(np.median(steps))) if len(steps) else 0.0])
-    exercised = np.any(rows != 0, axis=0)
-    return np.where(exercised & (spread > 0), spread, 1e-9 * np.maximum(np.abs(prior), 1.0))
+    exercised = np.any(rows != 0, axis=0) & (spread > 0)
+    p_rows = np.eye(len(prior))
+    p_rows[1:, 0] = np.where(exercised[1:], -prior[1:], 0.0)  # term_k - anchor_k * compute factor
+    targets = np.where(exercised, 0.0, prior)
+    targets[0] = prior[0]
+    pinned = 1e9 / np.maximum(np.abs(prior), 1.0)
+    weights = np.where(exercised, 1.0 / np.where(spread > 0, spread, 1.0), pinned)
+    return p_rows * weights[:, None], targets * weights
 
 
-def _bounded_least_squares(rows: np.ndarray, seconds: np.ndarray, weights: np.ndarray, prior: np.ndarray,
-                           prior_weight: np.ndarray) -> np.ndarray:
-    """min sum (w_i (x_i theta - t_i))^2 + sum (p_k (theta_k - prior_k))^2, _LOWER <= theta <= _UPPER."""
-    fixed = np.zeros(len(prior), dtype=bool)
-    theta = prior.copy()
-    for _ in range(len(prior) + 1):
+def _bounded_least_squares(rows: np.ndarray, seconds: np.ndarray, weights: np.ndarray, prior_rows: np.ndarray,
+                           prior_targets: np.ndarray, *, start: np.ndarray) -> np.ndarray:
+    """min sum (w_i (x_i theta - t_i))^2 + |P theta - p|^2 over _LOWER <= theta <= _UPPER: a term that
+    leaves its bounds is fixed there and the rest solved again."""
+    fixed = np.zeros(len(start), dtype=bool)
+    theta = start.copy()
+    a_all = np.vstack([rows * weights[:, None], prior_rows])
+    b_all = np.concatenate([seconds * weights, prior_targets])
+    for _ in range(len(start) + 1):
         free = ~fixed
-        target = seconds - rows[:, fixed] @ theta[fixed]
-        a = np.vstack([rows[:, free] * weights[:, None], np.diag(prior_weight[free])])
-        b = np.concatenate([target * weights, prior_weight[free] * prior[free]])
-        theta[free] = np.linalg.lstsq(a, b, rcond=None)[0]
+        target = b_all - a_all[:, fixed] @ theta[fixed]
+        theta[free] = np.linalg.lstsq(a_all[:, free], target, rcond=None)[0]
         low, high = free & (theta < _LOWER), free & (theta > _UPPER)
         if not (low.any() or high.any()):
             return theta
