@@ -12,8 +12,9 @@ dynamic_cp's per-sequence degrees are local, whole-group or aligned-subgroup sha
 always return any of them, and its modeled step is never above theirs: the guarantee holds exactly as far
 as the cost model is right, which is why the planner refits it from the run's own steps (scheduling/
 refit.py). The two all-sharded candidates are skipped when the DACP plan is at or below every all-sharded
-plan's floor (`all_sharded_floor`); the other ablations (DACP-only, round-robin) are not candidates: they
-run the same DACP machinery on worse DP splits or placements and cost a full plan.
+plan's floor (`all_sharded_floor`), and dynamic_cp when it is at or below dynamic_cp's (`dynamic_cp_floor`);
+the other ablations (DACP-only, round-robin) are not candidates: they run the same DACP machinery on worse
+DP splits or placements and cost a full plan.
 
 `explore=k` (online calibration's first steps, scheduling/actor.py) returns candidate k mod 4 of
 (DACP plan, GDS-only, balanced_packed, dynamic_cp) instead of the fastest, so the measured steps cover
@@ -25,9 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from scheduling.balanced_packed import balanced_packed
+import numpy as np
+
+from scheduling.balanced_packed import balanced_packed, lpt_partition
 from scheduling.cost import CostModel
-from scheduling.dynamic_cp import dynamic_cp
+from scheduling.dacp_degrees import resolve_cp_degrees
+from scheduling.dynamic_cp import dynamic_cp, smallest_degrees
 from scheduling.gds import Execution, plan_gds_timed
 from scheduling.plans import StepPlan
 from scheduling.simulate import heaviest_sequence, lower_bounds, perfect_balance_bound, simulate
@@ -70,6 +74,9 @@ def skrull(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: i
             continue
         if name != "dynamic_cp" and best_s <= sharded_floor:
             continue  # no all-sharded plan can beat the best so far: skip planning one
+        if name == "dynamic_cp" and best_s <= dynamic_cp_floor(lengths, cost, degrees=degrees, labels=labels,
+                                                               **shape):
+            continue  # dynamic_cp's rules cannot beat it either
         candidate, candidate_s = make()
         if candidate_s < best_s:
             best, best_s = candidate, candidate_s
@@ -85,6 +92,37 @@ def _timed(planned: tuple[StepPlan, float | None]) -> tuple[StepPlan, float]:
 def _simulated(plan: StepPlan, lengths: Sequence[int], cost: CostModel,
                labels: Sequence[int] | None) -> tuple[StepPlan, float]:
     return plan, simulate(plan, lengths, cost, labels=labels).step_s
+
+
+def dynamic_cp_floor(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_size: int,
+                     bucket_size: int, degrees: str | Sequence[int],
+                     labels: Sequence[int] | None = None) -> float:
+    """A lower bound of dynamic_cp's modeled step (scheduling/dynamic_cp.py), without planning it.
+
+    Its degrees and DP split follow from the lengths alone (smallest fitting degree d_i; LPT by S^2), so
+    for each DP rank's members M: every micro-batch costs each CP rank at least its compute plus b and
+    k q (the ring only adds: overlapped(c, l) >= l), and a micro-batch's time is its busiest rank's, at
+    least the mean over the N ranks; the sequences' compute sums to T_comp(sum F_i), a sequence sharded
+    over d ranks adds d sharded_sequence_s(d), and there are at least ceil(sum d_i ceil(S_i/d_i) / (C N))
+    micro-batches. So step >= max over DP ranks of (T_comp(sum F) + sum d sharded_sequence_s(d)) / N +
+    count b.
+    """
+    chosen = smallest_degrees(lengths, cp_size, bucket_size,
+                              resolve_cp_degrees(degrees, cp_size))
+    tokens = np.asarray(lengths, dtype=np.int64)
+    degree = np.asarray(chosen, dtype=np.int64)
+    flops = np.asarray(cost.sequence_flops(lengths, labels))
+    per_degree = {d: d * cost.sharded_sequence_s(d) for d in set(chosen)}
+    extra = np.array([per_degree[d] for d in chosen]) if len(chosen) else np.zeros(0)
+    overhead = cost.micro_batch_overhead_s(dp_size * cp_size)
+    capacity = bucket_size * cp_size
+    floor = 0.0
+    for members in lpt_partition((tokens.astype(np.float64) ** 2).tolist(), dp_size):
+        m = np.asarray(members, dtype=np.int64)
+        count = max(1, -(-int((-(-tokens[m] // degree[m]) * degree[m]).sum()) // capacity))
+        rank_s = (cost.t_comp(float(flops[m].sum())) + float(extra[m].sum())) / cp_size + count * overhead
+        floor = max(floor, rank_s)
+    return floor
 
 
 def all_sharded_floor(lengths: Sequence[int], cost: CostModel, *, dp_size: int, cp_size: int,

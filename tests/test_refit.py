@@ -113,10 +113,17 @@ def test_any_policy_is_predicted_from_its_own_steps(policy: str) -> None:
     assert np.median(np.abs(errors)) < 0.05, errors
 
 
-def test_a_profile_three_times_too_slow_or_fast_is_corrected() -> None:
-    """Every time term x3 (and x1/3): the fitted profile predicts the measured steps within 5%."""
+@pytest.mark.parametrize("machine_speed", [1 / 1.4, 1.9])
+def test_a_profile_three_times_too_slow_or_fast_is_corrected(machine_speed: float) -> None:
+    """Every time term x3 (and x1/3) on a machine 1.4x slower or 1.9x faster than the committed profile
+    (the bench machine computes ~1.9x faster than configs/hardware/cpu.yaml says, measured 2026-11-27):
+    from x3 the compute is then 5.7x off, beyond any bound of a few x. The fitted profile predicts the
+    measured steps within 5%."""
     base = _committed_cpu()
-    machine = _cost(_truth(base))
+    truth = _truth(base)
+    truth = dataclasses.replace(truth, mfu=base.mfu * machine_speed,
+                                micro_batch_launch_s=truth.micro_batch_launch_s / machine_speed)
+    machine = _cost(truth)
     for factor in (3.0, 1 / 3):
         scale = {"time": factor, "rate": 1 / factor}
         fields = {f.name: getattr(base, f.name) * scale[f.metadata["scales_as"]]
@@ -125,6 +132,7 @@ def test_a_profile_three_times_too_slow_or_fast_is_corrected() -> None:
         planned, timings = _measure("skrull", 10, start, machine, seed=1)
         fit = refit(start, planned, timings, world=CP)
         assert fit is not None
+        assert fit.profile.mfu == pytest.approx(truth.mfu, rel=0.1)  # no bound on how far a term may be off
         fitted = _cost(fit.profile)
         for step in planned.values():
             want = simulate(step.plan, step.lengths, machine).total_s

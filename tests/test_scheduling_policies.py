@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import subprocess
@@ -9,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +27,7 @@ from scheduling import (
     simulate,
 )
 from scheduling.policies import ANY_LENGTH
-from scheduling.skrull import all_sharded_floor
+from scheduling.skrull import all_sharded_floor, dynamic_cp_floor
 
 COST = CostModel.from_model_dims(hidden_size=64, kv_hidden_size=16, num_layers=2)
 
@@ -60,6 +62,9 @@ def test_policy_invariants(case, policy, k):
     all_sharded = ("static_cp", "static_cp_packed", "sorted", "gds_only", "balanced_packed")
     if policy in all_sharded:  # Skrull's skip test
         floor = all_sharded_floor(lengths, COST, dp_size=dp, cp_size=cp)
+        assert est.step_s >= floor * (1 - 1e-9)
+    if policy == "dynamic_cp":  # Skrull's skip test of that candidate (plan_step's degrees: "auto")
+        floor = dynamic_cp_floor(lengths, COST, dp_size=dp, cp_size=cp, bucket_size=bucket, degrees="auto")
         assert est.step_s >= floor * (1 - 1e-9)
 
 
@@ -170,3 +175,23 @@ def test_import_leaves_heavy_frameworks_out():
     code = "import sys, scheduling; print(sorted({'ray', 'torch', 'deepspeed'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([(1, 2, 1024), (2, 4, 2048), (4, 8, 4096)]),
+       st.sampled_from(["auto", "two_level"]))
+def test_dynamic_cp_floor_is_below_its_plans_on_the_cpu_profile(seed, shape, degrees):
+    """The committed CPU profile (a micro-batch launch) with a cost per sharded sequence's ring step, as
+    calibration fits: the floor counts both and must stay below dynamic_cp's modeled step for any batch."""
+    with open("configs/hardware/cpu.yaml") as handle:
+        profile = HardwareProfile.from_dict(yaml.safe_load(handle))
+    profile = dataclasses.replace(profile, ring_sequence_step_s=2e-3)
+    cost = CostModel.from_model_dims(hidden_size=256, kv_hidden_size=128, num_layers=6, profile=profile)
+    dp, cp, bucket = shape
+    cp_degrees = "auto" if degrees == "auto" else [1, cp]
+    lengths = np.maximum(np.minimum(sample_lengths("chatqa2" if seed % 2 else "lmsys", 16 * dp, seed) // 8,
+                                    bucket * cp), 1).tolist()
+    plan = plan_step("dynamic_cp", lengths, dp_size=dp, cp_size=cp, bucket_size=bucket, cost=cost,
+                     cp_degrees=cp_degrees)
+    floor = dynamic_cp_floor(lengths, cost, dp_size=dp, cp_size=cp, bucket_size=bucket, degrees=cp_degrees)
+    assert simulate(plan, lengths, cost).step_s >= floor * (1 - 1e-9) > 0
