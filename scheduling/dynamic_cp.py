@@ -29,6 +29,7 @@ the same cost model as every policy, so the comparison isolates the scheduling r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from scheduling.dacp import check_fits
 from scheduling.dacp_degrees import resolve_cp_degrees
 from scheduling.plans import DacpPlan, StepPlan, SubgroupShards
 
-__all__ = ["dynamic_cp", "smallest_degrees"]
+__all__ = ["DynamicCpLayout", "dynamic_cp", "dynamic_cp_layout", "smallest_degrees"]
 
 
 def smallest_degrees(lengths: Sequence[int], cp_size: int, bucket_size: int,
@@ -121,28 +122,56 @@ def _buckets(members: Sequence[int], count: int, *, work: Sequence[float], degre
     return buckets
 
 
-def dynamic_cp(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
-               cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
-    """Megatron-style dynamic CP (module docstring): smallest fitting power-of-two degree per sequence,
-    S^2-balanced DP split and equal-work micro-batches, equal counts per DP rank."""
-    check_fits(lengths, cp_size, bucket_size)
+@dataclass(frozen=True, slots=True)
+class DynamicCpLayout:
+    """What dynamic_cp decides from the lengths alone, before any bucketing (steps 1-3 and step 4's first
+    micro-batch count): shared with skrull's lower bound of its step (scheduling.skrull.dynamic_cp_floor)."""
+
+    degree: tuple[int, ...]
+    """Per sequence, its CP degree d (step 1)."""
+    shard: tuple[int, ...]
+    """Per sequence, its tokens per rank ceil(S/d)."""
+    work: tuple[float, ...]
+    """Per sequence, S^2 (step 2)."""
+    partition: tuple[tuple[int, ...], ...]
+    """Per DP rank, its sequences (step 3)."""
+    first_counts: tuple[int, ...]
+    """Per DP rank, the micro-batch count step 4 starts from: ceil(sum d ceil(S/d) / (C N)), at least 1."""
+
+
+def dynamic_cp_layout(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
+                      cp_degrees: str | Sequence[int] | None = None) -> DynamicCpLayout:
+    """Steps 1-3 of the module docstring and step 4's first count; the lengths must fit (check_fits)."""
     degrees = resolve_cp_degrees("auto" if cp_degrees is None else cp_degrees, cp_size)
     degree = smallest_degrees(lengths, cp_size, bucket_size, degrees)
     tokens = np.asarray(lengths, dtype=np.int64)
     shard = (-(-tokens // np.asarray(degree, dtype=np.int64))).tolist()  # shard_tokens per sequence
     work = (tokens.astype(np.float64) ** 2).tolist()
-    shape = {"work": work, "degree": degree, "shard": shard, "cp_size": cp_size, "bucket_size": bucket_size}
+    partition = tuple(tuple(members) for members in lpt_partition(work, dp_size))
     capacity = bucket_size * cp_size
-    partition = lpt_partition(work, dp_size)
+    counts = tuple(max(1, -(-sum(shard[i] * degree[i] for i in members) // capacity))
+                   for members in partition)
+    return DynamicCpLayout(degree=tuple(degree), shard=tuple(shard), work=tuple(work),
+                           partition=partition, first_counts=counts)
+
+
+def dynamic_cp(lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int,
+               cp_degrees: str | Sequence[int] | None = None) -> StepPlan:
+    """Megatron-style dynamic CP (module docstring): smallest fitting power-of-two degree per sequence,
+    S^2-balanced DP split and equal-work micro-batches, equal counts per DP rank."""
+    check_fits(lengths, cp_size, bucket_size)
+    layout = dynamic_cp_layout(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
+                               cp_degrees=cp_degrees)
+    shape = {"work": layout.work, "degree": layout.degree, "shard": layout.shard, "cp_size": cp_size,
+             "bucket_size": bucket_size}
     per_rank: list[list[_Bucket]] = []
-    for members in partition:
-        count = max(1, -(-sum(shard[i] * degree[i] for i in members) // capacity))
+    for members, count in zip(layout.partition, layout.first_counts, strict=True):
         while (buckets := _buckets(members, count, **shape)) is None:
             count += 1  # ends: one sequence per bucket always fits (ceil(S/d) <= C)
         per_rank.append(buckets)
     target = max(len(b) for b in per_rank)
     plans = []
-    for members, buckets in zip(partition, per_rank, strict=True):
+    for members, buckets in zip(layout.partition, per_rank, strict=True):
         if len(buckets) < target:
             buckets = _buckets(members, target, **shape) or buckets
         mbs = [b.plan(cp_size) for b in buckets]

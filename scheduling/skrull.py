@@ -28,10 +28,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from scheduling.balanced_packed import balanced_packed, lpt_partition
+from scheduling.balanced_packed import balanced_packed
 from scheduling.cost import CostModel
-from scheduling.dacp_degrees import resolve_cp_degrees
-from scheduling.dynamic_cp import dynamic_cp, smallest_degrees
+from scheduling.dynamic_cp import dynamic_cp, dynamic_cp_layout
 from scheduling.gds import Execution, plan_gds_timed
 from scheduling.plans import StepPlan
 from scheduling.simulate import heaviest_sequence, lower_bounds, perfect_balance_bound, simulate
@@ -99,27 +98,24 @@ def dynamic_cp_floor(lengths: Sequence[int], cost: CostModel, *, dp_size: int, c
                      labels: Sequence[int] | None = None) -> float:
     """A lower bound of dynamic_cp's modeled step (scheduling/dynamic_cp.py), without planning it.
 
-    Its degrees and DP split follow from the lengths alone (smallest fitting degree d_i; LPT by S^2), so
-    for each DP rank's members M: every micro-batch costs each CP rank at least its compute plus b and
-    k q (the ring only adds: overlapped(c, l) >= l), and a micro-batch's time is its busiest rank's, at
-    least the mean over the N ranks; the sequences' compute sums to T_comp(sum F_i), a sequence sharded
-    over d ranks adds d sharded_sequence_s(d), and there are at least ceil(sum d_i ceil(S_i/d_i) / (C N))
+    Its layout follows from the lengths alone (scheduling.dynamic_cp.dynamic_cp_layout: smallest fitting
+    degree d_i, LPT by S^2, each DP rank's first micro-batch count), so for each DP rank's members M:
+    every micro-batch costs each CP rank at least its compute plus b and k q (the ring only adds:
+    overlapped(c, l) >= l), and a micro-batch's time is its busiest rank's, at least the mean over the N
+    ranks; the sequences' compute sums to T_comp(sum F_i), a sequence sharded over d ranks adds
+    d sharded_sequence_s(d), and there are at least the first count, ceil(sum d_i ceil(S_i/d_i) / (C N)),
     micro-batches. So step >= max over DP ranks of (T_comp(sum F) + sum d sharded_sequence_s(d)) / N +
     count b.
     """
-    chosen = smallest_degrees(lengths, cp_size, bucket_size,
-                              resolve_cp_degrees(degrees, cp_size))
-    tokens = np.asarray(lengths, dtype=np.int64)
-    degree = np.asarray(chosen, dtype=np.int64)
+    layout = dynamic_cp_layout(lengths, dp_size=dp_size, cp_size=cp_size, bucket_size=bucket_size,
+                               cp_degrees=degrees)
     flops = np.asarray(cost.sequence_flops(lengths, labels))
-    per_degree = {d: d * cost.sharded_sequence_s(d) for d in set(chosen)}
-    extra = np.array([per_degree[d] for d in chosen]) if len(chosen) else np.zeros(0)
+    per_degree = {d: d * cost.sharded_sequence_s(d) for d in set(layout.degree)}
+    extra = np.array([per_degree[d] for d in layout.degree]) if layout.degree else np.zeros(0)
     overhead = cost.micro_batch_overhead_s(dp_size * cp_size)
-    capacity = bucket_size * cp_size
     floor = 0.0
-    for members in lpt_partition((tokens.astype(np.float64) ** 2).tolist(), dp_size):
+    for members, count in zip(layout.partition, layout.first_counts, strict=True):
         m = np.asarray(members, dtype=np.int64)
-        count = max(1, -(-int((-(-tokens[m] // degree[m]) * degree[m]).sum()) // capacity))
         rank_s = (cost.t_comp(float(flops[m].sum())) + float(extra[m].sum())) / cp_size + count * overhead
         floor = max(floor, rank_s)
     return floor
