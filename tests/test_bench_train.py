@@ -167,6 +167,31 @@ def test_a_profile_off_by_more_than_30_percent_is_named_with_the_command_that_re
         assert warning in format_report(summary)
 
 
+def test_machine_drift_is_what_every_policy_shares_and_the_rest_is_each_policy_own_error() -> None:
+    """A planted machine (every step n of every policy d[n] times slower than predicted) and one policy whose
+    predictions are also off by e[n] of their own: the drift is d, the net error 0 for the exact policies and
+    median |e| for the other; with two policies there is no drift to tell (a median of two is their mean)."""
+    drift = (1.0, 1.2, 0.9, 1.1, 1.3)
+    own = (0.05, -0.1, 0.2, 0.0, 0.3)
+    records = []
+    for policy in ("skrull", "sorted", "static_cp", "dynamic_cp"):
+        for step, (d, e) in enumerate(zip(drift, own, strict=True), start=1):
+            measured = 1.0 + step / 10
+            predicted = measured / d * (1 + e if policy == "skrull" else 1.0)
+            records.append(_record(policy, step, measured) | {"predicted_step_s": predicted})
+    summary = summarize(_run(records, ("skrull", "sorted", "static_cp", "dynamic_cp")))
+    assert summary["machine_drift"] == pytest.approx(drift)
+    rows = summary["policies"]
+    assert rows["sorted"]["prediction_abs_error_median_net_of_drift"] == pytest.approx(0.0, abs=1e-12)
+    assert rows["skrull"]["prediction_abs_error_median_net_of_drift"] == pytest.approx(0.1)
+    assert rows["sorted"]["prediction_abs_error_median"] == pytest.approx(1 / 0.9 - 1)  # raw: the drift
+    assert "machine drift" in format_report(summary) and "-10% to +30%" in format_report(summary)
+    two = summarize(_run([r for r in records if r["policy"] in ("skrull", "sorted")], ("skrull", "sorted")))
+    assert two["machine_drift"] is None
+    assert two["policies"]["skrull"]["prediction_abs_error_median_net_of_drift"] is None
+    assert "machine drift" not in format_report(two)
+
+
 def test_the_policy_order_rotates_each_step_so_every_policy_runs_first_in_turn() -> None:
     from workers.bench_loop import rotated
 

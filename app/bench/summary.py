@@ -11,6 +11,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from app.bench.drift import machine_drift, net_abs_error
+
 BASELINES = ("balanced_packed", "static_cp_packed", "static_cp", "sorted", "dynamic_cp", "chunkflow")
 """The policies every other one is compared with (`speedup_vs_<name>`)."""
 
@@ -19,11 +21,13 @@ def summarize(result: Any) -> dict[str, Any]:
     """The report of a BenchRun (app/bench/driver.py): one row per policy over its counted steps."""
     counted = [r for r in result.records if not r["warmup"]]
     rows = {p: _policy_row([r for r in counted if r["policy"] == p]) for p in result.policies}
+    drift = machine_drift(rows)
     for row in rows.values():
         for baseline in BASELINES:
             base = rows.get(baseline)
             row[f"speedup_vs_{baseline}"] = base["step_s_median"] / row["step_s_median"] if base else None
             row[f"paired_speedup_vs_{baseline}"] = _paired_speedup(base, row) if base else None
+        row["prediction_abs_error_median_net_of_drift"] = net_abs_error(row, drift)
     config = result.config
     return {
         "policies": rows,
@@ -34,6 +38,7 @@ def summarize(result: Any) -> dict[str, Any]:
         "global_batch_size": config.scheduling.global_batch_size,
         "same_samples": _same_across(rows, "sample_ids"),
         "loss_max_rel_diff": _loss_max_rel_diff(rows),
+        "machine_drift": drift,
         "wall_s": result.wall_s, "machine": result.machine, "run_dir": result.run_dir,
         "stale_profile_warning": _stale_profile(counted, config, result.run_dir),
     }

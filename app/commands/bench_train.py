@@ -22,6 +22,8 @@ also runs its candidate plans in turn. Per policy, over the counted steps:
     prediction_error_before_calibration   the same with the starting profile's predictions of the same plans
     prediction_abs_error_median           median over the steps of |predicted - measured| / measured
     prediction_abs_error_median_before_calibration   the same with the starting profile's predictions
+    prediction_abs_error_median_net_of_drift         the same with the machine's drift divided out
+                           (app/bench/drift.py: the cost model's own error; null with fewer than 3 policies)
     calibration_version    how many times the policy's planner had refitted by its last counted step
     speedup_vs_<baseline>  the baseline's step_s_median / this policy's; null when it was not run
     paired_speedup_vs_<baseline>  median over steps of the baseline's step_s / this policy's on the same batch
@@ -33,7 +35,9 @@ also runs its candidate plans in turn. Per policy, over the counted steps:
     per_step               step, step_s, predicted_step_s, loss, tokens and sorted sample ids of each step
 
 Top level: `same_samples` (every policy trained the same sample ids at every step), `loss_max_rel_diff`
-(the largest relative loss difference from the first policy at any step), `calibration` (online | off),
+(the largest relative loss difference from the first policy at any step), `machine_drift` (per counted
+step, measured / predicted common to every policy: how much slower than usual the machine ran that
+rotation, app/bench/drift.py; null with fewer than 3 policies), `calibration` (online | off),
 `warmup_steps` (the uncounted steps), `stale_profile_warning` (the warning of app/profiling/stale_check.py
 when the profile's predictions are off by more than 30%, else null; also printed), `wall_s`, `machine`
 (cores, load average at start and end), `run_dir` (the log and bench_train.json, a copy of the --json
@@ -177,6 +181,8 @@ def format_report(summary: dict[str, Any], plot: str | None = None) -> str:
         ratios = [_ratio(row, b) for b in BASELINES if b != policy and row[f"speedup_vs_{b}"] is not None]
         if policy not in BASELINES and ratios:
             lines.append(f"{policy}: {', '.join(ratios)}")
+    if summary.get("machine_drift"):
+        lines.append(_drift_line(summary["machine_drift"], rows))
     same = "yes" if summary["same_samples"] else "NO"
     lines.append(f"same samples every step: {same}; losses agree within {summary['loss_max_rel_diff']:.1e} "
                  "relative")
@@ -186,6 +192,13 @@ def format_report(summary: dict[str, Any], plot: str | None = None) -> str:
     if plot:
         lines.append(f"plot written to {plot}")
     return "\n".join(lines)
+
+
+def _drift_line(drift: list[float], rows: dict[str, dict[str, Any]]) -> str:
+    net = ", ".join(f"{p} {row['prediction_abs_error_median_net_of_drift']:.0%}" for p, row in rows.items()
+                    if row.get("prediction_abs_error_median_net_of_drift") is not None)
+    return (f"machine drift (measured / predicted, moving every policy together): {min(drift) - 1:+.0%} to "
+            f"{max(drift) - 1:+.0%} over the counted steps; prediction error without it: {net}")
 
 
 def _write_atomically(path: Path, text: str) -> None:
