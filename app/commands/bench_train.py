@@ -23,7 +23,8 @@ also runs its candidate plans in turn. Per policy, over the counted steps:
     prediction_abs_error_median           median over the steps of |predicted - measured| / measured
     prediction_abs_error_median_before_calibration   the same with the starting profile's predictions
     prediction_abs_error_median_net_of_drift         the same with the machine's drift divided out
-                           (app/bench/drift.py: the cost model's own error; null with fewer than 3 policies)
+                           (app/bench/drift.py: the error relative to the other policies' at the same
+                           step; null with fewer than 3 policies)
     calibration_version    how many times the policy's planner had refitted by its last counted step
     speedup_vs_<baseline>  the baseline's step_s_median / this policy's; null when it was not run
     paired_speedup_vs_<baseline>  median over steps of the baseline's step_s / this policy's on the same batch
@@ -36,8 +37,8 @@ also runs its candidate plans in turn. Per policy, over the counted steps:
 
 Top level: `same_samples` (every policy trained the same sample ids at every step), `loss_max_rel_diff`
 (the largest relative loss difference from the first policy at any step), `machine_drift` (per counted
-step, measured / predicted common to every policy: how much slower than usual the machine ran that
-rotation, app/bench/drift.py; null with fewer than 3 policies), `calibration` (online | off),
+step, the median over the policies of measured / predicted: what the machine did to all of them at once,
+app/bench/drift.py; null with fewer than 3 policies), `calibration` (online | off),
 `warmup_steps` (the uncounted steps), `stale_profile_warning` (the warning of app/profiling/stale_check.py
 when the profile's predictions are off by more than 30%, else null; also printed), `wall_s`, `machine`
 (cores, load average at start and end), `run_dir` (the log and bench_train.json, a copy of the --json
