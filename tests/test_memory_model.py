@@ -124,7 +124,7 @@ def test_activation_knobs_that_cannot_apply_are_config_errors(overrides: list[st
 
 
 def test_an_older_transformers_without_the_options_is_an_error_naming_the_knob(monkeypatch) -> None:
-    """transformers before 5.17 has only gradient_checkpointing_enable: checked before Ray starts."""
+    """transformers before 5.17 has only the plain checkpointing: checked before Ray starts."""
     from transformers import PreTrainedModel
 
     from app.model.support import check_model_support
@@ -132,9 +132,42 @@ def test_an_older_transformers_without_the_options_is_an_error_naming_the_knob(m
     config = load_config(None, ["train.activation_checkpointing=true",
                                 "train.activation_checkpointing_every=2"])
     check_model_support(config)  # the installed transformers has it
-    monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable")
+
+    def plain(self, gradient_checkpointing_kwargs=None):  # the signature before 5.17
+        raise AssertionError("not called: the options are checked first")
+
+    monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable", raising=False)
+    monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", plain)
     with pytest.raises(ConfigError, match="train.activation_checkpointing_every need transformers >= 5.17"):
         check_model_support(config)
+
+
+def test_transformers_5_17_takes_the_options_on_gradient_checkpointing_enable(monkeypatch) -> None:
+    """transformers 5.17 (the GPU image's) has every_n_layers and offload on gradient_checkpointing_enable
+    and no activation_checkpointing_enable: a stand-in with 5.17's signature, delegating to today's method,
+    receives the options and the layers are marked as asked."""
+    from transformers import PreTrainedModel
+
+    from app.model.support import check_model_support
+    from workers.models import build_model
+
+    newer = getattr(PreTrainedModel, "activation_checkpointing_enable",  # 5.17 itself: its own method
+                    PreTrainedModel.gradient_checkpointing_enable)
+    calls = []
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, every_n_layers: int = 1,
+                                      offload: bool = False):
+        calls.append((gradient_checkpointing_kwargs, every_n_layers, offload))
+        newer(self, gradient_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload)
+
+    monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable", raising=False)
+    monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", gradient_checkpointing_enable)
+    check_model_support(load_config(None, ["train.activation_checkpointing=true",
+                                           "train.activation_checkpointing_every=2"]))
+    model = build_model("tiny-qwen2", vocab_size=128, num_layers=4, activation_checkpointing=True,
+                        activation_checkpointing_every=2, activation_offload=True)
+    assert calls == [({"use_reentrant": False}, 2, True)]
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False, True, False]
 
 
 def test_every_nth_layer_recomputes_those_layers_and_the_gradient_is_unchanged() -> None:

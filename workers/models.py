@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -140,27 +141,43 @@ def build_model(
 
 CHECKPOINTING_OPTIONS = {"every_n_layers": "train.activation_checkpointing_every",
                          "offload": "train.activation_offload"}
-"""transformers' activation_checkpointing_enable options and the config knob that sets each."""
+"""transformers' checkpointing options and the config knob that sets each."""
+
+CHECKPOINTING_METHODS = (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+                         ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs"))
+"""transformers' checkpointing entry points, newest first, with the name of each one's torch-checkpoint
+kwargs: 5.17 added `every_n_layers` and `offload` to gradient_checkpointing_enable, later versions moved
+them to activation_checkpointing_enable (the old name keeps only **kwargs)."""
+
+
+def checkpointing_method(owner: Any) -> tuple[str, str, frozenset[str]]:
+    """The first of CHECKPOINTING_METHODS that `owner` (a PreTrainedModel class or instance) has: its name,
+    its kwargs parameter and the parameter names of its signature."""
+    import inspect
+
+    for name, kwargs_name in CHECKPOINTING_METHODS:
+        method = getattr(owner, name, None)
+        if method is not None:
+            return name, kwargs_name, frozenset(inspect.signature(method).parameters)
+    raise ValueError(f"{type(owner).__name__} has no gradient checkpointing (transformers' "
+                     "gradient_checkpointing_enable)")
 
 
 def checkpointing_problem(*, every_n_layers: int, offload: bool) -> str | None:
     """Why the installed transformers cannot checkpoint as asked (naming the knobs), or None.
 
-    transformers' activation_checkpointing_enable (>= 5.17) takes `every_n_layers` and `offload`; older
-    versions have only the all-layers, on-device form."""
-    import inspect
-
+    transformers >= 5.17 takes `every_n_layers` and `offload` (checkpointing_method: the entry point that
+    has them); older versions have only the all-layers, on-device form."""
     from transformers import PreTrainedModel
 
-    enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
-    params = inspect.signature(enable).parameters if enable is not None else {}
+    params = checkpointing_method(PreTrainedModel)[2]
     asked = {"every_n_layers": every_n_layers != 1, "offload": offload}
     lacking = [knob for option, knob in CHECKPOINTING_OPTIONS.items()
                if asked[option] and option not in params]
     if not lacking:
         return None
-    return (f"{', '.join(lacking)} need transformers >= 5.17 (activation_checkpointing_enable with "
-            "every_n_layers and offload); upgrade it, or leave them at their defaults")
+    return (f"{', '.join(lacking)} need transformers >= 5.17 (gradient checkpointing with every_n_layers "
+            "and offload); upgrade it, or leave them at their defaults")
 
 
 def enable_checkpointing(model, *, every_n_layers: int = 1, offload: bool = False) -> None:
@@ -168,15 +185,13 @@ def enable_checkpointing(model, *, every_n_layers: int = 1, offload: bool = Fals
     through), of every `every_n_layers`-th decoder layer, its saved inputs in host memory with `offload`
     (torch's save_on_cpu around each recomputed layer). Without those options in the installed
     transformers only the plain form exists: asking for more is a ValueError naming the knob."""
-    kwargs = {"use_reentrant": False}
     problem = checkpointing_problem(every_n_layers=every_n_layers, offload=offload)
     if problem:
         raise ValueError(problem)
-    if not hasattr(model, "activation_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        return
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs,
-                                          every_n_layers=every_n_layers, offload=offload)
+    name, kwargs_name, params = checkpointing_method(model)
+    options = {option: value for option, value in (("every_n_layers", every_n_layers), ("offload", offload))
+               if option in params}
+    getattr(model, name)(**{kwargs_name: {"use_reentrant": False}}, **options)
 
 
 def attach_loss_head(model: torch.nn.Module) -> LossHead:
