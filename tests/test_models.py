@@ -122,6 +122,29 @@ def test_chunked_cross_entropy_in_bf16_is_as_close_to_fp32_as_torchs_own_bf16() 
         assert ours_rel <= 1.25 * torch_rel, f"{name}: {ours_rel:.3g} vs torch bf16 {torch_rel:.3g}"
 
 
+def test_chunked_cross_entropy_holds_one_chunk_at_a_time_within_the_memory_model() -> None:
+    """Tensor accounting (workers/tools/tensor_ledger.py) of the loss's forward and backward in bf16: the
+    peak is the same for one chunk and for four (a chunk's [C, V] buffers are gone before the next chunk's
+    exist), and within app/profiling/memory.py's loss term, C x V x 8 + V x E x 4 bytes. On an H200 a
+    0.5B micro-batch of four chunks once peaked 7 GB over that model, chunks overlapping."""
+    from workers.tools.tensor_ledger import DeviceLedger
+
+    gen = torch.Generator().manual_seed(3)
+    embed, vocab, chunk = 64, 4096, 256
+    head = torch.nn.Linear(embed, vocab, bias=False, dtype=torch.bfloat16)
+    peaks = {}
+    for tokens in (chunk, 4 * chunk):
+        hidden = torch.randn(tokens, embed, generator=gen).to(torch.bfloat16).requires_grad_()
+        targets = torch.randint(0, vocab, (tokens,), generator=gen)
+        with DeviceLedger() as ledger:
+            linear_cross_entropy_sum(hidden, head, targets, chunk, label_rows=torch.arange(tokens)).backward()
+        peaks[tokens] = ledger.peak
+    modeled = chunk * vocab * 8 + vocab * embed * 4
+    # The four-chunk run also holds d_hidden and the gradient of 4x the tokens: 2 x 3C x E bytes more.
+    assert peaks[4 * chunk] <= peaks[chunk] + 2 * 3 * chunk * embed * 2 + 4096, peaks
+    assert max(peaks.values()) <= modeled, (peaks, modeled)
+
+
 def test_build_model_errors() -> None:
     with pytest.raises(ValueError, match="model.name_or_path"):
         build_model("./no/such/model_dir")

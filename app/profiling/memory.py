@@ -13,8 +13,9 @@
                gradients   stage 1: T*4 (fp32 accumulation of the whole model); stages 2-3: T*4/W (this
                            rank's fp32 partition) + two reduce buckets in model.dtype
                optimizer   T*12/W: AdamW's m and v and the fp32 master weights, partitioned (stage >= 1)
-    loss     the chunked loss (workers/loss.py): one chunk's fp32 logits and their gradient,
-             loss_chunk_tokens x V x 8, and the fp32 LM-head gradient it accumulates, V x h x 4
+    loss     the chunked loss (workers/loss.py): one chunk's fp32 logits and one [C, V] temporary of
+             the same size (logsumexp's; the gradient is made in the logits' storage), loss_chunk_tokens x
+             V x 8, and the fp32 LM-head gradient it accumulates, V x h x 4; chunks never overlap
     safety   SAFETY_FRACTION of M: allocator fragmentation, the CUDA context, NCCL buffers and kernel
              workspaces, which no term above counts
     alpha    activation bytes per token of the checkpointing setting, from the hardware profile's
