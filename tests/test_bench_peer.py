@@ -187,3 +187,23 @@ def test_summary_ratios_leave_out_the_warm_up_and_compare_the_same_batches() -> 
     assert summary["same_samples"] and summary["same_tokens"] and summary["steps"] == 2
     rounds[1]["ours"]["per_step"]["skrull"][2]["sample_ids"] = [4, 6]
     assert summarize(rounds, wall_s=1.0, machine={}, out_dir="d")["same_samples"] is False
+
+
+def test_the_checkpointing_switch_is_the_installed_transformers_own() -> None:
+    """transformers 5.17 (a GPU image's) names it gradient_checkpointing, later versions
+    activation_checkpointing: SFTConfig gets the one its TrainingArguments has."""
+    from trl import SFTConfig
+
+    from app.bench.peer.trl_side import _checkpointing_field
+
+    @dataclasses.dataclass
+    class Older:
+        gradient_checkpointing: bool = False
+
+    @dataclasses.dataclass
+    class Newer:
+        activation_checkpointing: bool = False
+
+    assert _checkpointing_field(Older) == "gradient_checkpointing"
+    assert _checkpointing_field(Newer) == "activation_checkpointing"
+    assert _checkpointing_field(SFTConfig) in {field.name for field in dataclasses.fields(SFTConfig)}

@@ -77,10 +77,20 @@ def trl_args(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path) 
         learning_rate=train.lr, lr_scheduler_type="constant", optim="adamw_torch",
         adam_beta1=train.adam_betas[0], adam_beta2=train.adam_betas[1], adam_epsilon=train.adam_eps,
         weight_decay=train.weight_decay, max_grad_norm=train.grad_clip,
-        activation_checkpointing=train.activation_checkpointing, bf16=False, fp16=False, use_cpu=True,
+        bf16=False, fp16=False, use_cpu=True,
         seed=train.seed, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, dataloader_pin_memory=False,
+        **{_checkpointing_field(SFTConfig): train.activation_checkpointing},
     )
+
+
+def _checkpointing_field(args_class: type) -> str:
+    """TrainingArguments' checkpointing switch: `activation_checkpointing` in newer transformers,
+    `gradient_checkpointing` before (5.17 and older)."""
+    import dataclasses
+
+    names = {field.name for field in dataclasses.fields(args_class)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def build_trainer(config: SkrullConfig, batches: list[StepBatch], micro_batch: int, out_dir: Path,
