@@ -23,6 +23,7 @@ def test_verify_json_all_distributed(capsys) -> None:
     assert out["ok"] is True and out["tolerance"] == 1e-5 and out["backend"] == "gloo"
     assert out["plan"] == {"local": [[], []], "distributed": [0, 1, 2, 3]}
     assert out["grad_max_rel_diff"] <= 1e-5 and out["hf_own_grad_max_rel_diff"] is None
+    assert out["reference_device"] == "cpu"
 
 
 @pytest.mark.slow
@@ -36,6 +37,36 @@ def test_verify_in_bf16_is_held_to_the_hf_models_own_bf16_error(capsys) -> None:
     floor = out["hf_own_grad_max_rel_diff"]
     assert 0 < floor < 5e-2 and out["tolerance"] == max(5e-2, 1.5 * floor)
     assert out["grad_max_rel_diff"] <= max(5e-2, 1.5 * floor)
+
+
+@pytest.mark.parametrize("dtype, backend, first_fits, devices", [
+    ("bf16", "nccl", True, ["cuda", "cuda"]),          # both references beside the ranks
+    ("bf16", "nccl", False, ["cuda", "cpu", "cuda"]),  # the fp32 one out of GPU memory: on the CPU
+    ("bf16", "gloo", True, ["cpu", "cpu"]),
+    ("fp32", "nccl", True, ["cpu"]),                   # fp32 parity (1e-5) is always judged on the CPU
+])
+def test_the_reference_runs_where_the_ranks_ran_for_bf16(monkeypatch, dtype, backend, first_fits,
+                                                         devices) -> None:
+    """A stand-in for the references (no CUDA here): which device each is asked for, and the fallback."""
+    import torch
+
+    from workers.tools import parity
+
+    asked: list[str] = []
+
+    def reference(spec, weights, ids, labels, total, *, fp32=True, device="cpu"):
+        asked.append(device)
+        if device == "cuda" and fp32 and not first_fits and len(asked) == 1:
+            raise torch.cuda.OutOfMemoryError("stand-in")
+        return 1.0, {"w": torch.ones(2)}
+
+    monkeypatch.setattr(parity, "_reference", reference)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    spec = parity.ParitySpec(model="tiny-qwen2", lengths=(3,), cp_size=1, dtype=dtype)
+    case = parity._Case(spec, "", None, [[1, 2, 3]], [[1, 2, 3]], 2, 1)
+    result = parity._judge(case, [{"loss": 1.0, "grads": {"w": torch.ones(2)}, "tokens": 3}], backend)
+    assert asked == devices and result["ok"] is True
+    assert result["reference_device"] == devices[1 if not first_fits else 0]
 
 
 def test_verify_rejects_bad_lengths(capsys) -> None:

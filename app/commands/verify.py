@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     result = run_parity(spec, backend=backend)
     if args.json:
         keys = ("loss_abs_diff", "grad_max_abs_diff", "grad_max_rel_diff", "tolerance", "ok", "loss",
-                "ref_loss", "plan", "rank_tokens", "hf_own_grad_max_rel_diff")
+                "ref_loss", "plan", "rank_tokens", "hf_own_grad_max_rel_diff", "reference_device")
         print(json.dumps({k: result[k] for k in keys} | {"lengths": list(spec.lengths), "cp": spec.cp_size,
                                                           "backend": backend, "dtype": spec.dtype,
                                                           "degrees": list(spec.degrees)}))
