@@ -133,6 +133,38 @@ def test_location_reads_writes_appends_lists_and_removes(root) -> None:
     (where / "run").delete()  # removing what is gone is not an error
 
 
+def test_a_read_while_another_process_replaces_the_object_is_one_whole_version(s3: S3Server) -> None:
+    """pyarrow reads an object as a HEAD (its size) and then a ranged GET: an object replaced in between
+    came back cut to the old size or with a garbage tail (a lease renewed mid-read parsed as broken JSON).
+    Another client rewrites one key every 50 ms (a lease renews every few seconds), each version new and
+    alternately short and long, as a lease's renewals are; every read is one whole version."""
+    import threading
+
+    key = f"torn-{time.monotonic_ns()}.json"
+    written = ['{"renewed": 0}']
+    s3.client.put_object(Bucket=BUCKET, Key=key, Body=written[0].encode())
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            text = json.dumps({"renewed": len(written), "pad": "x" * 64 * (len(written) % 2)})
+            written.append(text)
+            s3.client.put_object(Bucket=BUCKET, Key=key, Body=text.encode())
+            stop.wait(0.05)
+
+    writer = threading.Thread(target=rewrite, daemon=True)
+    writer.start()
+    try:
+        where = Location.of(s3.uri(key))
+        seen = [where.read_bytes() for _ in range(150)]
+    finally:
+        stop.set()
+        writer.join(timeout=30)
+    assert len(written) > 20, "the writer did not keep up: nothing was read mid-replacement"
+    torn = [data for data in seen if data.decode("utf-8", "replace") not in set(written)]
+    assert not torn, torn[:3]
+
+
 def test_a_uri_keeps_its_query_and_hides_secrets() -> None:
     run = Location.of("s3://b/runs?endpoint_override=h:1&scheme=http&secret_key=SECRET") / "x"
     assert run.uri == "s3://b/runs/x?endpoint_override=h:1&scheme=http&secret_key=SECRET"
@@ -356,15 +388,17 @@ def test_a_second_holder_of_an_s3_run_is_refused_and_the_heartbeat_renews(s3: S3
     run = _lease_run(s3)
     first = Lease(run, out=sys.stderr, heartbeat_s=0.2, settle_s=0.05)
     first.acquire()
-    granted = json.loads((run / LEASE_FILE).read_text())
-    with pytest.raises(RunLocked, match=rf"host {socket.gethostname()}, pid {os.getpid()}, started .*renewed "
-                                        r"\d+ s ago"):
-        Lease(run, out=sys.stderr, settle_s=0.05).acquire()
-    deadline = time.monotonic() + 10
-    while json.loads((run / LEASE_FILE).read_text())["renewed"] == granted["renewed"]:
-        assert time.monotonic() < deadline, "the heartbeat never renewed the lease"
-        time.sleep(0.1)
-    first.release()
+    try:  # a failure must not leave the heartbeat thread renewing against a stopped server
+        granted = json.loads((run / LEASE_FILE).read_text())
+        with pytest.raises(RunLocked, match=rf"host {socket.gethostname()}, pid {os.getpid()}, started "
+                                            r".*renewed \d+ s ago"):
+            Lease(run, out=sys.stderr, settle_s=0.05).acquire()
+        deadline = time.monotonic() + 10
+        while json.loads((run / LEASE_FILE).read_text())["renewed"] == granted["renewed"]:
+            assert time.monotonic() < deadline, "the heartbeat never renewed the lease"
+            time.sleep(0.1)
+    finally:
+        first.release()
     assert not (run / LEASE_FILE).exists()
 
 

@@ -14,7 +14,9 @@ cached per process). It offers only what a run needs:
     copy_tree_from_local / copy_tree_to_local (pyarrow.fs.copy_files)
 
 Atomicity: a local write goes to a temporary file that replaces the target (os.replace); an object store
-PUTs the whole object when the stream closes, and a reader sees the old or the new object, never a part.
+PUTs the whole object when the stream closes. A reader sees the old or the new version, never a part: on
+an object store read_bytes checks that the version it read is still the one there after the read (pyarrow
+alone can return a mix when the object is replaced mid-read; see read_bytes).
 Object stores cannot append (pyarrow raises ArrowNotImplementedError for S3), so append_lines there reads
 the object and writes it back whole: two requests per call and O(size) bytes (samples.jsonl grows by one
 line per DP rank and step; at 10k steps of 512 samples that is ~30 MB rewritten per step, so a very long
@@ -36,6 +38,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,17 @@ _HIDDEN = "***"
 # In free text: a secret query value (up to the next &, quote, space or bracket), and a URI's userinfo.
 _SECRET_QUERY_TEXT = re.compile(r"\b(access_key|secret_key|session_token)=[^&\s'\"()\[\]<>]+")
 _USERINFO_TEXT = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@'\"]*@")
+
+
+# A read of an object that keeps being replaced (app/rundir/lock.py renews its lease every few seconds)
+# is retried this often, pausing 10 ms, 20 ms, ... (2.5 s in all) between tries.
+_READ_ATTEMPTS = 8
+_READ_PAUSE_S = 0.01
+
+
+def _headers(stream: Any) -> dict[str, bytes]:
+    """The version headers an object-store stream's HEAD returned (empty where the store gives none)."""
+    return dict(stream.metadata() or {})
 
 
 def carries_credentials(uri: str) -> bool:
@@ -208,8 +222,26 @@ class Location:
 
     # -- reads and writes ------------------------------------------------------------------------------
     def read_bytes(self) -> bytes:
-        with self.filesystem.open_input_stream(self.path) as stream:
-            return stream.read()
+        """The whole file, one version of it.
+
+        pyarrow reads an object as a HEAD (its size and version headers) and then a GET of that byte range,
+        and it returns the HEAD's size even when the GET brought fewer bytes: an object replaced between the
+        two came back cut, or with a tail of stale memory. So an object-store read is kept only when a
+        second HEAD after the GET reports the same headers (ETag, Last-Modified, Content-Length) as the
+        first, and is repeated otherwise, with a short growing pause, up to _READ_ATTEMPTS times. What this
+        cannot see is a writer putting back the very bytes the first HEAD saw within one read (A -> B -> A).
+        """
+        if self.is_local:
+            with self.filesystem.open_input_stream(self.path) as stream:
+                return stream.read()
+        for attempt in range(_READ_ATTEMPTS):
+            with self.filesystem.open_input_stream(self.path) as stream:
+                version, data = _headers(stream), stream.read()
+            with self.filesystem.open_input_file(self.path) as after:
+                if _headers(after) == version:
+                    return data
+            time.sleep(_READ_PAUSE_S * 2**attempt)
+        raise OSError(f"{self}: the object was replaced during each of {_READ_ATTEMPTS} reads of it")
 
     def read_text(self) -> str:
         return self.read_bytes().decode("utf-8")
