@@ -86,6 +86,7 @@ def test_bench_train_json_smoke(local_ray, tmp_path: Path, capsys) -> None:
     assert all(steps["sample_ids"] == per_step[0]["sample_ids"] for steps in per_step)
     assert per_step[0]["sample_ids"] == [list(range(8 * s, 8 * s + 8)) for s in range(1, COUNTED + 1)]
     assert result["same_samples"] is True
+    assert result["distinct_global_batches"] == 6 and result["repeated_samples_warning"] is None  # 48 / 8
     # ... and scheduling never changes a step's math: fp32 losses agree up to summation order.
     for steps in per_step[1:]:
         assert steps["loss"] == pytest.approx(per_step[0]["loss"], rel=1e-4)
@@ -141,14 +142,27 @@ def test_summary_medians_ratios_and_missing_baselines(tmp_path: Path) -> None:
     assert (tmp_path / "summary.png").stat().st_size > 0
 
 
-def _run(records: list[dict], policies: tuple[str, ...]) -> SimpleNamespace:
+def _run(records: list[dict], policies: tuple[str, ...], distinct: int = 100) -> SimpleNamespace:
     config = SimpleNamespace(parallel=SimpleNamespace(dp_size=1, cp_size=2),
                              scheduling=SimpleNamespace(bucket_size=64, global_batch_size=4,
                                                         calibration="off"),
-                             hardware=SimpleNamespace(profile="cpu"))
+                             hardware=SimpleNamespace(profile="cpu"),
+                             data=SimpleNamespace(source="synthetic"))
     machine = {"cpus": 2, "load_avg_1_5_15_min": [1.0, 0.5, 0.2]}
-    return SimpleNamespace(policies=policies, records=records, steps=len(records), warmup_steps=0, wall_s=1.0,
-                           run_dir="r", machine=machine, config=config)
+    steps = len({r["step"] for r in records if not r["warmup"]})
+    return SimpleNamespace(policies=policies, records=records, steps=steps, warmup_steps=0, wall_s=1.0,
+                           run_dir="r", machine=machine, config=config, distinct_global_batches=distinct)
+
+
+def test_steps_beyond_the_datas_distinct_batches_are_named_with_the_knob_that_adds_them() -> None:
+    records = [_record("skrull", step, 1.0) for step in range(1, 6)]
+    assert summarize(_run(records, ("skrull",), distinct=5))["repeated_samples_warning"] is None
+    summary = summarize(_run(records, ("skrull",), distinct=3))
+    warning = summary["repeated_samples_warning"]
+    assert summary["distinct_global_batches"] == 3
+    assert "5 steps (warm-up included) of 4 samples need 20 usable rows" in warning
+    assert "from step 4 on" in warning and "data.num_samples" in warning and "--steps" in warning
+    assert warning in format_report(summary)
 
 
 @pytest.mark.parametrize(("factor", "stale"), [(3.0, True), (1 / 3, True), (1.25, False), (0.8, False)])

@@ -60,6 +60,9 @@ class BenchRun:
     """Wall time of the whole bench on the driver: Ray's start, tokenizing, engines, every step."""
     run_dir: str
     machine: dict[str, Any]
+    distinct_global_batches: int
+    """Global batches of distinct samples one epoch of the data holds (usable rows // global batch size):
+    steps beyond it revisit samples (the planner starts another epoch)."""
 
 
 def check_policies(policies: Sequence[str]) -> tuple[str, ...]:
@@ -110,12 +113,12 @@ def bench_train(config: SkrullConfig, policies: Sequence[str], steps: int, *, pr
     started = time.perf_counter()
     write_snapshot(config, run_dir, template=data.chat_template_text)
     with run_console(run_dir, quiet=quiet, out=out, existed=False) as terminal:
-        records = _run(config, data, names, steps, name, run_dir, progress=progress,
-                       worker_logs=worker_logs, out=terminal)
+        records, distinct = _run(config, data, names, steps, name, run_dir, progress=progress,
+                                 worker_logs=worker_logs, out=terminal)
     machine["load_avg_1_5_15_min_end"] = [round(x, 2) for x in os.getloadavg()]
     return BenchRun(config=config, policies=names, steps=steps, warmup_steps=uncounted_steps(config),
                     records=records, wall_s=time.perf_counter() - started, run_dir=str(run_dir),
-                    machine=machine)
+                    machine=machine, distinct_global_batches=distinct)
 
 
 def uncounted_steps(config: SkrullConfig) -> int:
@@ -129,8 +132,10 @@ def _with_policy(config: SkrullConfig, policy: str) -> SkrullConfig:
 
 
 def _run(config: SkrullConfig, data: ResolvedData, policies: tuple[str, ...], steps: int, name: str,
-         run_dir: Path, *, progress: bool, worker_logs: bool, out: TextIO) -> list[dict[str, Any]]:
-    """Ray session, data, one planner per policy, the worker group; returns every (step, policy) record."""
+         run_dir: Path, *, progress: bool, worker_logs: bool,
+         out: TextIO) -> tuple[list[dict[str, Any]], int]:
+    """Ray session, data, one planner per policy, the worker group; returns every (step, policy) record and
+    BenchRun.distinct_global_batches."""
     from app.train.cluster import on_this_node, ray_session
     from app.train.components import make_trainer, planner_actor, worker_settings
     from app.train.dataset import prepared_data
@@ -143,9 +148,9 @@ def _run(config: SkrullConfig, data: ResolvedData, policies: tuple[str, ...], st
     # A restarted group would re-run steps on engines that already took them: fail instead of retrying.
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, max_failures=0))
     with ray_session(config, worker_logs=worker_logs) as embedded:
-        dataset = prepared_data(config, data, progress=progress, out=out, embedded=embedded,
-                                planners=len(policies)).dataset
-        planners = tuple((p, planner_actor(_with_policy(config, p), dataset, total, f"{name}-{p}",
+        prepared = prepared_data(config, data, progress=progress, out=out, embedded=embedded,
+                                 planners=len(policies))
+        planners = tuple((p, planner_actor(_with_policy(config, p), prepared.dataset, total, f"{name}-{p}",
                                            tokenizer=data.tokenizer)) for p in policies)
         monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
         worker = worker_settings(config, None, monitor, total, str(run_dir), tokenizer=data.tokenizer)
@@ -155,4 +160,4 @@ def _run(config: SkrullConfig, data: ResolvedData, policies: tuple[str, ...], st
     if len(records) != total * len(policies):
         raise RuntimeError(f"the workers reported {len(records)} of {total * len(policies)} (step, policy) "
                            f"records; see the log in {run_dir / 'logs'}")
-    return records
+    return records, prepared.usable_rows // config.scheduling.global_batch_size

@@ -41,7 +41,26 @@ def summarize(result: Any) -> dict[str, Any]:
         "machine_drift": drift,
         "wall_s": result.wall_s, "machine": result.machine, "run_dir": result.run_dir,
         "stale_profile_warning": _stale_profile(counted, config, result.run_dir),
+        "distinct_global_batches": result.distinct_global_batches,
+        "repeated_samples_warning": repeated_samples_warning(result.steps + result.warmup_steps,
+                                                             result.distinct_global_batches, config),
     }
+
+
+def repeated_samples_warning(total_steps: int, distinct: int, config: Any) -> str | None:
+    """A warning when the bench's steps outnumber the data's distinct global batches, else None.
+
+    Past them the planner starts another epoch, so later steps train samples an earlier step trained: with
+    online calibration the counted steps' prediction error is then partly measured on the batches the
+    profile was fitted to, and a policy's later plans may repeat its earlier ones."""
+    if total_steps <= distinct:
+        return None
+    knob = ("data.num_samples" if config.data.source == "synthetic" else "data.path (more rows)")
+    need = total_steps * config.scheduling.global_batch_size
+    return (f"warning: bench train: {total_steps} steps (warm-up included) of "
+            f"{config.scheduling.global_batch_size} samples need {need} usable rows, but the data holds "
+            f"{distinct} global batches of distinct samples: from step {distinct + 1} on, the steps revisit "
+            f"samples earlier steps trained; raise {knob} or lower --steps for distinct batches")
 
 
 def _stale_profile(counted: list[dict[str, Any]], config: Any, run_dir: str) -> str | None:

@@ -40,9 +40,11 @@ Top level: `same_samples` (every policy trained the same sample ids at every ste
 step, the median over the policies of measured / predicted: what the machine did to all of them at once,
 app/bench/drift.py; null with fewer than 3 policies), `calibration` (online | off),
 `warmup_steps` (the uncounted steps), `stale_profile_warning` (the warning of app/profiling/stale_check.py
-when the profile's predictions are off by more than 30%, else null; also printed), `wall_s`, `machine`
-(cores, load average at start and end), `run_dir` (the log and bench_train.json, a copy of the --json
-line).
+when the profile's predictions are off by more than 30%, else null; also printed),
+`distinct_global_batches` (global batches of distinct samples in one epoch of the data),
+`repeated_samples_warning` (when the steps, warm-up included, outnumber them, so later steps revisit
+samples; else null; also printed), `wall_s`, `machine` (cores, load average at start and end), `run_dir`
+(the log and bench_train.json, a copy of the --json line).
 Nothing heavy is imported until the command runs.
 """
 
@@ -124,8 +126,9 @@ def run(args: argparse.Namespace) -> int:
         plot_bench(summary, args.plot)
     if args.json:
         print(line)
-        if summary["stale_profile_warning"]:
-            print(summary["stale_profile_warning"], file=sys.stderr)
+        for warning in ("stale_profile_warning", "repeated_samples_warning"):
+            if summary[warning]:
+                print(summary[warning], file=sys.stderr)
     else:
         print(format_report(summary, plot=args.plot))
     return 0
@@ -190,8 +193,7 @@ def format_report(summary: dict[str, Any], plot: str | None = None) -> str:
     lines.append(f"same samples every step: {same}; losses agree within {summary['loss_max_rel_diff']:.1e} "
                  "relative")
     lines.append(f"run directory: {summary['run_dir']} (bench_train.json, logs/driver.log)")
-    if summary.get("stale_profile_warning"):
-        lines.append(summary["stale_profile_warning"])
+    lines += [summary[w] for w in ("stale_profile_warning", "repeated_samples_warning") if summary.get(w)]
     if plot:
         lines.append(f"plot written to {plot}")
     return "\n".join(lines)
