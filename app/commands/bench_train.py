@@ -65,6 +65,8 @@ from app.config import ConfigError
 from app.rundir.files import jsonable
 
 DEFAULT_POLICIES = "skrull,balanced_packed,static_cp_packed,static_cp,sorted,chunkflow"
+_WARNINGS = ("stale_profile_warning", "repeated_samples_warning")
+"""The summary's warnings: printed after the report, or to stderr beside the --json line."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         plot_bench(summary, args.plot)
     if args.json:
         print(line)
-        for warning in ("stale_profile_warning", "repeated_samples_warning"):
+        for warning in _WARNINGS:
             if summary[warning]:
                 print(summary[warning], file=sys.stderr)
     else:
@@ -193,7 +195,7 @@ def format_report(summary: dict[str, Any], plot: str | None = None) -> str:
     lines.append(f"same samples every step: {same}; losses agree within {summary['loss_max_rel_diff']:.1e} "
                  "relative")
     lines.append(f"run directory: {summary['run_dir']} (bench_train.json, logs/driver.log)")
-    lines += [summary[w] for w in ("stale_profile_warning", "repeated_samples_warning") if summary.get(w)]
+    lines += [summary[w] for w in _WARNINGS if summary.get(w)]
     if plot:
         lines.append(f"plot written to {plot}")
     return "\n".join(lines)
