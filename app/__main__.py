@@ -17,7 +17,8 @@ from app.config import ConfigError
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("plan", "dry run: plan sampled global batches with every policy and compare modeled step times"),
     "bench": ("bench", "benchmarks: `bench train` (measured step time per policy, interleaved), "
-              "`bench planner` (planning latency), `bench peer` (vs TRL's SFTTrainer), "
+              "`bench planner` (planning latency), `bench step` (the training step per config variant), "
+              "`bench peer` (vs TRL's SFTTrainer), "
               "`bench compute` (the compute part of `profile`), "
               "`bench attention` (DACP overlap)"),
     "profile": ("profile", "measure this machine with the configured model and write a hardware profile"),

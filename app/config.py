@@ -113,6 +113,11 @@ class ModelConfig:
     """Training precision."""
     attention_backend: Literal["auto", "torch", "torch-flash", "flash"] = "auto"
     """Varlen attention kernel: auto (flash-attn if installed, else torch-flash, on CUDA; torch on CPU)."""
+    kernels: Literal["auto", "torch", "liger"] = "auto"
+    """The decoder's elementwise kernels and the loss (workers/kernels/): torch (transformers' own modules
+    and the chunked linear cross-entropy of workers/loss.py) | liger (liger-kernel's fused RMSNorm, SwiGLU,
+    RoPE and fused linear cross-entropy; CUDA only, the `gpu` extra installs it) | auto (liger when it
+    imports and the workers have GPUs, else torch)."""
     hidden_size: int = field(default=0, metadata=MATH)
     """Cost-model dimension h (0: read from the model config)."""
     kv_hidden_size: int = 0
@@ -384,10 +389,24 @@ class TrainConfig:
     memory per rank for a host copy in forward and a copy back in backward."""
     loss_chunk_tokens: int = 4096
     """Cross-entropy is computed this many tokens at a time, so full logits never exist."""
+    optimizer_impl: Literal["auto", "foreach", "fused"] = "auto"
+    """torch AdamW's implementation: fused (one kernel over the partition, and the step runs on the device
+    without a host sync: gradient norm, clipping and the non-finite skip, workers/zero_step.py) | foreach
+    (torch's multi-tensor kernels under DeepSpeed's own ZeRO step) | auto (fused on CUDA, DeepSpeed's step
+    with torch's default implementation on CPU)."""
+    compile: bool = False
+    """torch.compile each decoder layer (dynamic shapes: one graph for every micro-batch length; the DACP
+    attention stays outside the graph, workers/compile.py)."""
+    overlap_comm: Literal["auto", "on", "off"] = "auto"
+    """DeepSpeed ZeRO's overlap_comm (gradient reduction on a side stream): auto (on with GPUs and more than
+    one worker, where there is communication to overlap; off on one GPU, where it only adds a device
+    synchronization at the end of every backward) | on | off."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     log_every: int = 1
-    """Reduce per-step metrics across ranks and report them every this many steps (GPU configs: 10)."""
+    """Reduce per-step metrics across ranks and report them every this many steps (GPU configs: 10). Between
+    log steps nothing waits for the device: with the fused optimizer a non-finite step is skipped on the
+    device and seen (warned about, or stopped at) on the next log step."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept in the run directory (0: keep every one)."""
     allow_config_change: bool = False

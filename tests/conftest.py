@@ -56,8 +56,9 @@ os.environ.setdefault("TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S", "2")
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.05")
 # DeepSpeed's ZeRO optimizer imports its Muon module on every engine build (even for AdamW), whose
 # `@torch.compile` decorators import TorchInductor's compiler config: ~1.5 s of CPU per train worker
-# process (measured in isolation, 2026-11-26). Nothing here compiles: the product never calls
-# torch.compile and never calls those decorated Muon functions, so dynamo off changes no computation.
+# process (measured in isolation, 2026-11-26). Only train.compile compiles (workers/compile.py), and the
+# tests of it turn dynamo back on for themselves (tests/test_fast_step.py); DeepSpeed's decorated Muon
+# functions are never called, so dynamo off changes no other computation.
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 # A `train` driver a test starts (tests/driver_process.py) must take Ctrl-C as from a user's shell. A process
 # started in the background by a non-interactive shell (`cmd &`, as CI runners and nohup'd jobs do) inherits

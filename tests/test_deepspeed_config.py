@@ -1,5 +1,6 @@
-"""The DeepSpeed JSON of a GPU run (app/model/deepspeed_config.py): torch's AdamW inside ZeRO-2, no JIT-built
-op, and bf16 gradients accumulated in fp32.
+"""The DeepSpeed JSON of a GPU run (app/model/deepspeed_config.py): torch's fused AdamW inside ZeRO-2 under
+the device step (workers/zero_step.py), no JIT-built op, no throughput timer, and bf16 gradients accumulated
+in fp32.
 
 DeepSpeed builds the optimizer the same way on every accelerator up to the op it loads: its FusedAdam
 loads `FusedAdamBuilder().load()` in its constructor (a JIT compile with nvcc on CUDA, with g++ on CPU).
@@ -24,19 +25,27 @@ MICRO_BATCHES = 64
 to the one-micro-batch gradient exactly, while bf16 partial sums (8 mantissa bits) round."""
 
 
-def test_the_gpu_json_asks_for_torch_foreach_adamw_and_fp32_accumulation() -> None:
+def test_the_gpu_json_asks_for_torch_fused_adamw_and_fp32_accumulation() -> None:
     train = load_config(None, []).train
     gpu = deepspeed_config(train, dtype="bf16", on_gpu=True)
     assert gpu["optimizer"]["type"] == "AdamW"
-    assert gpu["optimizer"]["params"]["torch_adam"] is True and gpu["optimizer"]["params"]["foreach"] is True
+    assert gpu["optimizer"]["params"]["torch_adam"] is True and gpu["optimizer"]["params"]["fused"] is True
+    assert "foreach" not in gpu["optimizer"]["params"]
     assert gpu["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert gpu["timers"] == {"throughput": {"enabled": False}}  # its stop() synchronizes every step
+    assert gpu["zero_optimization"]["overlap_comm"] is True  # the worker turns it off on one GPU
     # Nothing else that loads a DeepSpeed op: no offload (CPUAdam), no fp16, no compression or quantization.
     assert set(gpu) <= {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
                         "optimizer", "zero_optimization", "gradient_clipping", "bf16", "data_types",
-                        "wall_clock_breakdown"}
+                        "wall_clock_breakdown", "timers"}
     assert not any(key.startswith("offload") for key in gpu["zero_optimization"])
     cpu = deepspeed_config(train, dtype="fp32", on_gpu=False)
-    assert cpu["optimizer"]["params"]["torch_adam"] is True and "foreach" not in cpu["optimizer"]["params"]
+    assert cpu["optimizer"]["params"]["torch_adam"] is True
+    assert not {"foreach", "fused"} & set(cpu["optimizer"]["params"])  # torch's default: a for-loop
+    foreach = load_config(None, ["train.optimizer_impl=foreach", "train.overlap_comm=off"]).train
+    gpu_foreach = deepspeed_config(foreach, dtype="bf16", on_gpu=True)
+    assert gpu_foreach["optimizer"]["params"]["foreach"] is True
+    assert gpu_foreach["zero_optimization"]["overlap_comm"] is False
     assert "data_types" not in cpu  # fp32 accumulates in fp32 anyway
     tuned = load_config(None, ["train.adam_betas=[0.8, 0.99]", "train.adam_eps=1e-6"]).train
     params = deepspeed_config(tuned, dtype="fp32", on_gpu=False)["optimizer"]["params"]
@@ -92,8 +101,9 @@ def _gpu_json_engines(rank: int, world: int) -> dict:
     basic = engine.basic_optimizer
     result = {"optimizer": f"{type(basic).__module__}.{type(basic).__qualname__}",
               "foreach": basic.defaults["foreach"], "fused": basic.defaults["fused"],
-              "wrapper": type(engine.optimizer).__name__}
-    engine.step()  # torch's foreach AdamW over ZeRO-2's flat fp32 partition
+              "wrapper": type(engine.optimizer).__name__,
+              "device_step": engine.optimizer.step.__func__.__name__}
+    engine.step()  # torch's fused AdamW over ZeRO-2's flat fp32 partition
     steps = [state["step"] for state in basic.state.values()]
     result["stepped"] = bool(steps) and all(int(step) == 1 and step.is_cpu for step in steps)
     engine, fp32_sum = accumulate(gpu, MICRO_BATCHES)
@@ -107,8 +117,9 @@ def test_the_gpu_json_builds_torch_adamw_in_zero2_without_a_jit_op_and_accumulat
     (result,) = run_workers(_gpu_json_engines, 1, backend="gloo")
     assert result["refused"] == []  # before: FusedAdamBuilder (DeepSpeed's FusedAdam, JIT-built)
     assert result["optimizer"] == "torch.optim.adamw.AdamW"
-    assert result["foreach"] is True and not result["fused"]  # step counters on the host (universal ckpt)
+    assert result["fused"] is True and not result["foreach"]
     assert result["wrapper"] == "DeepSpeedZeroOptimizer" and result["stepped"]
+    assert result["device_step"] == "device_step"  # workers/zero_step.py replaced DeepSpeed's step
     # fp32 accumulation: ZeRO-2 keeps the rank's gradient partition in fp32, and 64 micro-batches of
     # loss / 64 sum to the one-micro-batch gradient (each is that gradient / 64, exactly, in bf16).
     assert result["partition_dtype"] == "torch.float32"

@@ -200,12 +200,11 @@ def build_rank_batch(
                 col.append(part)
             entry_chunks.append(chunk)
         partial.append(RingPart(degree=entry.degree, chunk_lens=tuple(entry_chunks)))
-    ids_T, pos_T, tgt_T, seq_T = (
-        torch.from_numpy(np.concatenate(c)) if c else torch.zeros(0, dtype=torch.long) for c in columns
-    )
+    ids, pos, tgt, seq = (np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in columns)
+    ids_T, pos_T, tgt_T, seq_T = (torch.from_numpy(c) for c in (ids, pos, tgt, seq))
     layout = DacpLayout(cp_size=cp_size, local_lens=tuple(local_lens), dist_chunk_lens=tuple(chunk_lens),
                         partial=tuple(partial))
-    label_rows = torch.from_numpy(np.flatnonzero(tgt_T.numpy() != IGNORE_INDEX).astype(np.int64))
+    label_rows = torch.from_numpy(np.flatnonzero(tgt != IGNORE_INDEX).astype(np.int64))
     return RankBatch(input_ids=ids_T, position_ids=pos_T, targets=tgt_T, seq_index=seq_T, layout=layout,
                      label_rows=label_rows, num_label_tokens=int(label_rows.shape[0]))
 

@@ -119,7 +119,8 @@ def _build_policies(settings: BenchSettings, groups: ParallelGroups, device: tor
     """One engine per policy, all from the same seed (identical initial weights) and the same ZeroGroups."""
     base = settings.worker
     zero = zero_groups(base)  # created once: every engine reduces over the same groups
-    return [_Policy(name=name, engine=build_engine(base.model, base.deepspeed, device, base.seed, zero),
+    return [_Policy(name=name, engine=build_engine(base.model, base.deepspeed, device, base.seed, zero,
+                                                   overlap_comm=base.overlap_comm),
                     planner=PlannerClient(planner, timeout_s=base.planner_timeout_s),
                     window=MetricsWindow(spare=groups.is_spare))
             for name, planner in settings.planners]
@@ -129,7 +130,8 @@ def _timed_step(base: WorkerSettings, policy: _Policy, groups: ParallelGroups, d
                 step: int) -> None:
     """`train`'s step on this policy's engine; also reads the process CPU time around it."""
     cpu_started = time.process_time()
-    fetched, stats = fetch_and_step(base, policy.planner, policy.engine, groups, device, policy.window, step)
+    fetched, stats = fetch_and_step(base, policy.planner, policy.engine, groups, device, policy.window, step,
+                                    sync=True)
     policy.fetched = fetched
     policy.readings = (fetched.wait_s, stats.compute_s, time.process_time() - cpu_started,
                        fetched.payload.predicted_busy_s)
@@ -148,6 +150,7 @@ def _round_records(policies: list[_Policy], groups: ParallelGroups, device: torc
     records = []
     for index, policy in enumerate(policies):
         (metrics,) = policy.window.flush(groups.world_group)
+        metrics.pop("deferred", None)  # bench train reports the flag as it is, it judges no divergence
         payload = policy.fetched.payload
         if observe:
             policy.planner.observe(session, [metrics], first_step=1)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from workers.loss import LOSS_HEAD
 from workers.lr_schedule import LrSchedule, scheduler_factory
 from workers.models import ModelSpec
+from workers.zero_step import install_device_step
 
 
 class _AdamWRequired(TypedDict):
@@ -32,6 +33,7 @@ class _AdamWRequired(TypedDict):
 
 class AdamWParams(_AdamWRequired, total=False):
     foreach: bool
+    fused: bool
 
 
 class OptimizerSection(TypedDict):
@@ -65,6 +67,14 @@ class DataTypesSection(TypedDict):
     grad_accum_dtype: str
 
 
+class ThroughputTimerSection(TypedDict):
+    enabled: bool
+
+
+class TimersSection(TypedDict):
+    throughput: ThroughputTimerSection
+
+
 class DeepSpeedConfig(TypedDict, total=False):
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
@@ -75,6 +85,7 @@ class DeepSpeedConfig(TypedDict, total=False):
     bf16: EnabledFlag
     data_types: DataTypesSection
     wall_clock_breakdown: bool
+    timers: TimersSection
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,21 +198,38 @@ def skip_cpu_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def for_world_size(ds_config: DeepSpeedConfig, overlap_comm: str, world_size: int) -> DeepSpeedConfig:
+    """ds_config with train.overlap_comm=auto decided for this worker group: off on a single worker (nothing
+    to overlap; with it DeepSpeed synchronizes the device after every backward), as generated otherwise."""
+    if overlap_comm != "auto" or world_size > 1 or not ds_config["zero_optimization"]["overlap_comm"]:
+        return ds_config
+    return {**ds_config, "zero_optimization": {**ds_config["zero_optimization"], "overlap_comm": False}}
+
+
 def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.device, seed: int,
-                 groups: ZeroGroups | None = None, lr_schedule: LrSchedule | None = None) -> Any:
-    """The model on `device`, wrapped in a DeepSpeed engine: ZeRO (ds_config's stage) over `groups`
-    (default: the world), its learning rate following `lr_schedule` (workers/lr_schedule.py; None:
-    constant)."""
+                 groups: ZeroGroups | None = None, lr_schedule: LrSchedule | None = None,
+                 overlap_comm: str = "auto") -> Any:
+    """The model on `device` (its kernels and compilation applied, ModelSpec.build_on), wrapped in a
+    DeepSpeed engine: ZeRO (ds_config's stage) over `groups` (default: the world), its learning rate
+    following `lr_schedule` (workers/lr_schedule.py; None: constant). `overlap_comm`: train.overlap_comm
+    (for_world_size). With torch's fused AdamW the ZeRO-1/2 step runs on the device alone
+    (workers/zero_step.py), when the engine allows it (else DeepSpeed's own step, said once)."""
     use_extensions_cache_per_environment()  # before DeepSpeed builds its ops
     deepspeed = import_deepspeed()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ds_config = for_world_size(ds_config, overlap_comm, world)
 
     torch.manual_seed(seed)  # identical initial weights on every rank for random-init models
-    model = spec.build().to(device)
-    model.train()  # from_pretrained returns eval mode, which would also silently skip activation recompute
+    model = spec.build_on(device)
     prepare_for_zero(model, ds_config)
     engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config), mpu=groups,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       lr_scheduler=scheduler_factory(lr_schedule or LrSchedule()))
+    if ds_config["optimizer"]["params"].get("fused"):
+        problem = install_device_step(engine)
+        if problem and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"[skrull] train.optimizer_impl=fused: DeepSpeed's own (host-synchronizing) step runs, "
+                  f"because {problem}", flush=True)
     return engine
 
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 
 from workers.attention.chunked import ChunkCall, ChunkKV
-from workers.attention.runtime import AttentionRuntime
+from workers.attention.op import attention_call
+from workers.attention.runtime import AttentionRuntime, default_runtime
 from workers.batch import RankBatch
+from workers.compile import is_compiled, sliding_window_problem
 from workers.loss import LOSS_HEAD, linear_cross_entropy_sum
 
 
@@ -50,9 +52,26 @@ def decoder_hidden(model: torch.nn.Module, batch: RankBatch, *, runtime: Attenti
     """The decoder's last hidden states [T, E] of a device batch (the LM head not applied)."""
     if (batch.chunk is None) != (store is None):
         raise ValueError("a dependent chunk's batch needs its sequence's K/V store, and only it takes one")
+    if is_compiled(model):
+        return _compiled_decoder_hidden(model, batch, runtime)
     chunk = None if store is None else ChunkCall(store=store, start=batch.chunk.start, stop=batch.chunk.stop,
                                                  prior=batch.prior)
     outputs = model.get_decoder()(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
                                   use_cache=False, dacp_index=batch.index, dacp_runtime=runtime,
                                   dacp_chunk=chunk)
+    return outputs.last_hidden_state[0]
+
+
+def _compiled_decoder_hidden(model: torch.nn.Module, batch: RankBatch,
+                             runtime: AttentionRuntime | None) -> torch.Tensor:
+    """decoder_hidden of a model with compiled layers (workers/compile.py): the micro-batch's layout reaches
+    the attention op through its call context, not as keyword arguments the graphs would guard on."""
+    if batch.chunk is not None:
+        raise ValueError("train.compile does not run dependent chunks (the chunkflow policy)")
+    problem = sliding_window_problem(model, batch.index.layout.shortest_longest_sequence)
+    if problem:
+        raise ValueError(problem)
+    with attention_call(batch.index, runtime or default_runtime(batch.input_ids.device)):
+        outputs = model.get_decoder()(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+                                      use_cache=False)
     return outputs.last_hidden_state[0]

@@ -106,6 +106,8 @@ class LossHead(torch.nn.Module):
     def __init__(self, head: torch.nn.Linear) -> None:
         super().__init__()
         self._head = (head,)  # a tuple: not registered as a child module
+        self.linear_ce = linear_cross_entropy_sum
+        """The kernel set's linear cross-entropy (workers/kernels): same arguments, same fp32 sum."""
 
     @property
     def head(self) -> torch.nn.Linear:
@@ -113,4 +115,4 @@ class LossHead(torch.nn.Module):
 
     def forward(self, hidden_TE: torch.Tensor, targets_T: torch.Tensor, label_rows: torch.Tensor,
                 chunk_tokens: int) -> torch.Tensor:
-        return linear_cross_entropy_sum(hidden_TE, self.head, targets_T, chunk_tokens, label_rows=label_rows)
+        return self.linear_ce(hidden_TE, self.head, targets_T, chunk_tokens, label_rows=label_rows)

@@ -60,12 +60,16 @@ class StepRecord:
     fetched: Fetched
     loss_sum: torch.Tensor
     grad_norm: torch.Tensor
-    compute_s: float
-    applied: bool = True
+    laps: Laps
+    applied: bool | torch.Tensor = True
+    """DeepSpeed's host bool, or the device step's flag (deferred: judged at the flush)."""
     nonfinite: str | None = None
     skipped_steps: int = 0
     lr: float = float("nan")
-    laps: Laps | None = None
+
+    @property
+    def deferred(self) -> bool:
+        return isinstance(self.applied, torch.Tensor)
 
 
 @dataclass
@@ -78,30 +82,34 @@ class MetricsWindow:
     calibration_version: int = 0
     """The newest fit's version reported so far (its record goes out once)."""
 
-    def add(self, fetched: Fetched, loss_sum: torch.Tensor, grad_norm: object, compute_s: float, *,
-            applied: bool = True, nonfinite: str | None = None, skipped_steps: int = 0,
-            lr: float = float("nan"), laps: Laps | None = None) -> None:
+    def add(self, fetched: Fetched, loss_sum: torch.Tensor, grad_norm: object, laps: Laps, *,
+            applied: bool | torch.Tensor = True, nonfinite: str | None = None, skipped_steps: int = 0,
+            lr: float = float("nan")) -> None:
         norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, device=loss_sum.device)
-        self.records.append(StepRecord(fetched, loss_sum, norm.detach().float(), compute_s, applied,
-                                       nonfinite, skipped_steps, lr, laps))
+        self.records.append(StepRecord(fetched, loss_sum, norm.detach().float(), laps, applied, nonfinite,
+                                       skipped_steps, lr))
 
     def flush(self, world_group: dist.ProcessGroup) -> list[dict[str, float | list[float]]]:
         """Reduce the window over all ranks (collective: every rank calls it on the same steps)."""
         if not self.records:
             return []
         device = self.records[0].loss_sum.device
+        if device.type == "cuda":  # the laps' events must have completed before they are read
+            torch.cuda.synchronize(device)
         loss_sums = torch.stack([r.loss_sum for r in self.records])
         dist.all_reduce(loss_sums, group=world_group)
         nan = float("nan")
         peak = float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else nan
         parts = max(len(r.fetched.payload.micro_batches) for r in self.records) + 1  # + the optimizer
-        timings = torch.tensor([[r.fetched.wait_s, nan if self.spare else r.compute_s,
+        timings = torch.tensor([[r.fetched.wait_s, nan if self.spare else r.laps.total(),
                                  computed_tokens(r.fetched.payload, spare=self.spare), peak,
                                  *_laps(r, parts, spare=self.spare)]
                                 for r in self.records], dtype=torch.float64, device=device)
+        timings = torch.cat([timings[:, :4], _flags(self.records, device), timings[:, 4:]], dim=1)
         gathered = [torch.zeros_like(timings) for _ in range(dist.get_world_size(world_group))]
         dist.all_gather(gathered, timings, group=world_group)
-        # [ranks, steps, (wait, compute, computed tokens, peak, micro-batch laps..., optimizer lap)]
+        # [ranks, steps, (wait, compute, computed tokens, peak, loss non-finite, applied, micro-batch laps...,
+        #  optimizer lap)]
         per_rank = torch.stack(gathered).cpu()
         norms = torch.stack([r.grad_norm for r in self.records]).cpu().tolist()
         losses = loss_sums.cpu().tolist()
@@ -117,10 +125,18 @@ class MetricsWindow:
         return metrics
 
 
+def _flags(records: list[StepRecord], device: torch.device) -> torch.Tensor:
+    """[steps, 2] float64 on `device`: this rank's loss was non-finite, the step was applied (device values
+    under the device step: built without reading them)."""
+    rows = [torch.stack([(~torch.isfinite(r.loss_sum)).to(torch.float64),
+                         torch.as_tensor(r.applied, device=device).to(torch.float64)]) for r in records]
+    return torch.stack(rows)
+
+
 def _laps(record: StepRecord, parts: int, *, spare: bool) -> list[float]:
     """The step's micro-batch laps padded with NaN to `parts - 1`, then its optimizer lap (NaN: a spare
     rank, whose idle micro-batches are not the plan's, or no laps taken)."""
-    laps = record.laps.seconds() if record.laps is not None and not spare else []
+    laps = record.laps.seconds() if not spare else []
     if len(laps) < 2:
         return [float("nan")] * parts
     micro_batches = laps[:-1] + [float("nan")] * (parts - len(laps))
@@ -155,8 +171,14 @@ def _step_metrics(record: StepRecord, loss_sum: float, per_rank: torch.Tensor,
     wait, compute = per_rank[trained, 0], per_rank[trained, 1]
     step_s = float((wait + compute).max())
     computed = float(per_rank[:, 2].sum())
-    laps = per_rank[trained, 4:].nanmean(dim=0) if bool(trained.any()) else per_rank[0, 4:]
+    laps = per_rank[trained, 6:].nanmean(dim=0) if bool(trained.any()) else per_rank[0, 6:]
     count = len(payload.micro_batches)
+    applied, nonfinite = record.applied, record.nonfinite
+    if record.deferred:  # the device step's flag, the same on every rank (the norm was all-reduced)
+        applied = bool(per_rank[0, 5] > 0.5)
+        ranks = int(per_rank[:, 4].sum())
+        nonfinite = None if applied else (f"loss (on {ranks} rank{'s' if ranks > 1 else ''})" if ranks
+                                          else "gradient norm")
     return {
         "step": payload.step,
         "epoch": payload.epoch,
@@ -183,6 +205,6 @@ def _step_metrics(record: StepRecord, loss_sum: float, per_rank: torch.Tensor,
         "rank_compute_s": per_rank[:, 1].tolist(),
         "micro_batch_s": laps[:count].tolist(),
         "optimizer_s": float(laps[-1]),
-        "update_skipped": not record.applied,
+        "update_skipped": not applied,
         "skipped_steps": record.skipped_steps,
-    } | ({"nonfinite": record.nonfinite} if record.nonfinite else {})
+    } | ({"nonfinite": nonfinite} if nonfinite else {}) | ({"deferred": True} if record.deferred else {})

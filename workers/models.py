@@ -46,6 +46,10 @@ class ModelSpec:
     """train.activation_offload: recomputed layers' inputs held in host memory (enable_checkpointing)."""
     attention_backend: str = "auto"
     """Varlen kernel of the DACP attention (resolved once per worker, see workers/attention/runtime.py)."""
+    kernels: str = "auto"
+    """model.kernels: the kernel set (workers/kernels), resolved for the device in `build_on`."""
+    compile: bool = False
+    """train.compile: compile each decoder layer (workers/compile.py) in `build_on`."""
     lora_r: int = 0
     """model.lora.r: > 0 adds peft LoRA adapters (apply_lora); 0 trains every weight."""
     lora_alpha: float = 16.0
@@ -60,8 +64,35 @@ class ModelSpec:
     def build(self, attn_implementation: str | None = None) -> torch.nn.Module:
         """The model with the DACP attention, or `attn_implementation` (e.g. "sdpa" to export it)."""
         kwargs = dataclasses.asdict(self)
-        del kwargs["attention_backend"]  # a runtime choice of the attention call, not of the model
+        for runtime_choice in ("attention_backend", "kernels", "compile"):  # made on the device: build_on
+            del kwargs[runtime_choice]
         return build_model(**kwargs, attn_implementation=attn_implementation)
+
+    def build_on(self, device: torch.device) -> torch.nn.Module:
+        """The training model on `device` in train mode: built, moved, its kernel set applied and activated
+        (model.kernels resolved for the device), its layers compiled with train.compile."""
+        model = self.build().to(device)
+        model.train()  # from_pretrained returns eval mode, which would also skip activation recompute
+        prepare_on_device(model, device, kernels=self.kernels, compile=self.compile)
+        return model
+
+
+def prepare_on_device(model: torch.nn.Module, device: torch.device, *, kernels: str = "auto",
+                      compile: bool = False) -> str:
+    """Apply model.kernels (resolved for `device`; under train.compile `auto` is torch: inductor fuses the
+    elementwise ops itself) and train.compile to a built model; returns the kernel set's name."""
+    from workers.compile import compile_layers
+    from workers.kernels import kernel_set, resolve_kernels
+
+    setting = "torch" if compile and kernels == "auto" else kernels
+    name = resolve_kernels(setting, device, getattr(model.config, "model_type", ""))
+    chosen = kernel_set(name)
+    chosen.apply(model)
+    chosen.activate(model)
+    model.skrull_kernels = name
+    if compile:
+        compile_layers(model)
+    return name
 
 
 def _tiny_config(name: str, dims: dict[str, int]):

@@ -15,6 +15,12 @@ How a bad step is kept out of the weights, without a host sync on a good step:
    decide the overflow; every rank sees the same value (the norm was all-reduced), so the rare bad path can
    run one more collective (which ranks' losses were non-finite, for the message) and every rank takes it.
    A good step costs nothing beyond DeepSpeed's own norm check: no collective and no host read of ours.
+   With train.optimizer_impl=fused the step runs on the device (workers/zero_step.py): step 2 is a
+   device-side skip (torch's fused AdamW with found_inf) and the flag stays on the device; the metrics
+   window brings every step's flag and each rank's loss finiteness to the host on the next log step, and
+   `NonFiniteGuard.review` judges those steps there, in order. The steps after a bad one have trained by
+   then (their updates are sound: only the bad step was skipped); a stop reports them and writes no
+   checkpoint, so the newest checkpoint is still the last one before the divergence.
 
 Policies (train.nonfinite): `error` stops the run at the bad step (world rank 0 reports the step's metrics
 with a "stopped" message and every rank returns; app/train/failures.py turns it into exit 1 with that message,
@@ -82,11 +88,35 @@ class NonFiniteGuard:
             self.skipped_in_a_row = 0
             return None
         what = _what_was_nonfinite(loss_sum, world_group)
+        self.judge(step, what)
+        return what
+
+    def judge(self, step: int, what: str) -> None:
+        """Count a step that was not applied (`what` was non-finite); sets `stop` when the run must stop."""
         self.skipped += 1
         self.skipped_in_a_row += 1
-        if self.policy.action != "skip" or self.skipped_in_a_row > self.policy.max_skipped_steps:
+        if self.stop is None and (self.policy.action != "skip"
+                                  or self.skipped_in_a_row > self.policy.max_skipped_steps):
             self.stop = self.stop_message(step, what)
-        return what
+
+    def review(self, metrics: list[dict[str, Any]]) -> list[str]:
+        """Judge a flushed window's deferred steps (the device step, workers/zero_step.py: whether a step was
+        applied is known on log steps only) in order; fills their `nonfinite` and `skipped_steps` and returns
+        the warnings to print. Steps judged when they ran (DeepSpeed's host-known flag) are left as they are.
+        """
+        warnings = []
+        for entry in metrics:
+            if not entry.pop("deferred", False):
+                continue
+            if not entry["update_skipped"]:
+                self.skipped_in_a_row = 0
+            else:
+                what = entry["nonfinite"]
+                self.judge(entry["step"], what)
+                if self.stop is None:
+                    warnings.append(self.warning(entry["step"], what))
+            entry["skipped_steps"] = self.skipped
+        return warnings
 
     def stop_message(self, step: int, what: str) -> str:
         newest = (f"the newest checkpoint (step {self.last_checkpoint_step}) stays the newest"

@@ -35,14 +35,16 @@ Non-finite guard (workers/nonfinite.py): each micro-batch's backward loss is mul
 that loss is inf/NaN, so a bad loss always yields a non-finite gradient norm, which DeepSpeed's ZeRO step
 refuses to apply (`StepStats.applied`, from `engine.was_step_applied()`).
 
-Nothing here synchronizes the device except the end of the step on CUDA (so `compute_s` is the real time
-of the step, not of its kernel launches); the loss stays a device tensor until the metrics are reduced.
+Nothing here waits for the device. Every micro-batch's stream is built and sent (pinned, non-blocking)
+before the first forward, so no host work sits between two micro-batches; the laps (workers/laps.py) are
+CUDA events, read on log steps; with the fused optimizer the step's `applied` flag is a device tensor
+(workers/zero_step.py) and the loss stays one until the metrics are reduced. A caller that times single
+steps (bench train, profile, bench step) passes `sync=True`: the step then ends when the device is done.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,18 +59,24 @@ from workers.distributed import ParallelGroups
 from workers.forward import micro_batch_loss_sum
 from workers.laps import Laps
 from workers.nonfinite import nan_if_nonfinite
+from workers.zero_step import applied_flag
 
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
     loss_sum: torch.Tensor
     """This rank's CE sum over its label tokens (detached, fp32, on the model's device)."""
-    compute_s: float
-    """Wall time of forward + backward + optimizer step on this rank (device-synchronized)."""
-    applied: bool = True
-    """DeepSpeed applied the update (False: the global gradient norm, or a loss, was inf/NaN)."""
-    laps: Laps | None = None
+    laps: Laps
     """Each micro-batch's time, then the optimizer step's (workers/laps.py; read on log steps)."""
+    applied: bool | torch.Tensor = True
+    """The update was applied (False: the global gradient norm, or a loss, was inf/NaN): DeepSpeed's host
+    bool, or a device bool tensor under the device step (workers/zero_step.py), read on log steps."""
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds of forward + backward + optimizer step on this rank (the device's, on CUDA: valid once
+        the device finished the step, as after a log step's reduction or `run_step(sync=True)`)."""
+        return self.laps.total()
 
 
 def idle_batch(cp_rank: int, cp_size: int, pad_id: int = 0) -> RankBatch:
@@ -119,10 +127,10 @@ def run_step(
     *,
     device: torch.device,
     loss_chunk_tokens: int,
+    sync: bool = False,
 ) -> StepStats:
-    """Forward/backward every micro-batch with the accumulation boundary on the last, then step."""
-    started = time.perf_counter()
-    laps = Laps(device)
+    """Forward/backward every micro-batch with the accumulation boundary on the last, then step; with
+    `sync`, wait for the device at the end (module docstring)."""
     scale = groups.world_size / max(payload.global_label_tokens, 1)
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     count = len(payload.micro_batches)
@@ -137,8 +145,11 @@ def run_step(
         loss_sum += micro_loss.detach().float()
         laps.mark()
 
+    ready = [rank_batch(mb, cp_rank, cp_size, device) for mb in payload.micro_batches]  # all sent up front
+    laps = Laps(device)
     for unit in micro_batch_units([mb.plan.chunk_on(cp_rank) for mb in payload.micro_batches]):
-        batches = [rank_batch(payload.micro_batches[i], cp_rank, cp_size, device) for i in unit]
+        batches = [ready[i] for i in unit]
+        laps.begin()
         if batches[0].chunk is not None:
             run_chunked(engine.module, batches, runtime=groups.attention, loss_chunk_tokens=loss_chunk_tokens,
                         backward=backward)
@@ -147,6 +158,6 @@ def run_step(
                                      loss_chunk_tokens=loss_chunk_tokens))
     engine.step()
     laps.mark()
-    synchronize(device)
-    return StepStats(loss_sum=loss_sum, compute_s=time.perf_counter() - started,
-                     applied=bool(engine.was_step_applied()), laps=laps)
+    if sync:
+        synchronize(device)
+    return StepStats(loss_sum=loss_sum, laps=laps, applied=applied_flag(engine))

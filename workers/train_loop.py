@@ -37,6 +37,7 @@ import torch.distributed as dist
 from scheduling.actor import Fetched, PlannerClient
 from scheduling.payload import Cursor, RankPayload
 from workers import lr_schedule
+from workers.allocator import use_expandable_segments
 from workers.checkpoint_files import save_checkpoint
 from workers.checkpoints import (
     CheckpointState,
@@ -54,6 +55,8 @@ from workers.models import ModelSpec
 from workers.nonfinite import NonFiniteGuard, NonFinitePolicy, knob_values
 from workers.step import StepStats, run_step
 from workers.storage import Location
+from workers.warmup import warm_up
+from workers.zero_step import place_step_counters
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +97,11 @@ class WorkerSettings:
     """train.lr_scheduler, warmup and min_lr_ratio over total_steps (workers/lr_schedule.py)."""
     calibration: bool = False
     """scheduling.calibration=online: world rank 0 sends each log window's laps to the planner."""
+    warmup_tokens: int = 0
+    """Tokens of the untimed warm-up micro-batch before the first step (workers/warmup.py): BucketSize C;
+    0: none."""
+    overlap_comm: str = "auto"
+    """train.overlap_comm (workers/engine.py for_world_size decides `auto` on the worker)."""
 
 
 def _append_samples(run_dir: str, payload: RankPayload) -> None:
@@ -213,7 +221,7 @@ def _loaded_engine(settings: WorkerSettings, device: torch.device, groups: Paral
                    local_rank: int) -> DeepSpeedEngine:
     zero = zero_groups(settings)
     build = functools.partial(build_engine, settings.model, device=device, seed=settings.seed, groups=zero,
-                              lr_schedule=settings.lr_schedule)
+                              lr_schedule=settings.lr_schedule, overlap_comm=settings.overlap_comm)
     if resume is None:
         return build(settings.deepspeed)
     if resume.world_size == groups.world_size:
@@ -222,6 +230,7 @@ def _loaded_engine(settings: WorkerSettings, device: torch.device, groups: Paral
             # A LoRA checkpoint holds only the adapter: the built base weights stay (non-strict load).
             engine.load_checkpoint(directory, tag=resume.tag,
                                    load_module_strict=not settings.model.frozen_base)
+        place_step_counters(engine)
         return engine
     target = universal_dir(checkpoint.path, resume)
     universal: DeepSpeedConfig = {**settings.deepspeed, "checkpoint": {"load_universal": True}}
@@ -232,6 +241,7 @@ def _loaded_engine(settings: WorkerSettings, device: torch.device, groups: Paral
         engine = build(universal)
     dist.barrier(group=groups.world_group)
     engine.load_checkpoint(str(target), tag=f"{resume.tag}_universal")
+    place_step_counters(engine)  # the universal loader restores fused AdamW's counters on the CPU
     dist.barrier(group=groups.world_group)
     if local_rank == 0:
         shutil.rmtree(target, ignore_errors=True)
@@ -250,6 +260,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train.torch
 
     settings: WorkerSettings = loop_config["settings"]
+    use_expandable_segments()  # before this process's first CUDA allocation
     context = ray.train.get_context()
     device = ray.train.torch.get_device()
     groups = parallel_groups(settings, device)
@@ -282,6 +293,8 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
     eval_set = EvalSet.fetch(settings.planner, groups, timeout_s=settings.planner_timeout_s) \
         if settings.eval_every else None
     observe = planner.observe if is_rank0 and settings.calibration else None
+    warm_up(engine, groups, device, tokens=settings.warmup_tokens,
+            loss_chunk_tokens=settings.loss_chunk_tokens)
     for step in range(resumed + 1, last + 1):
         fetched, _ = fetch_and_step(settings, planner, engine, groups, device, window, step, guard=guard)
         if guard.stop is not None:  # its samples were never trained on: samples.jsonl does not get them
@@ -297,6 +310,13 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
         evaluate = eval_set is not None and is_eval_step(step, last, settings.eval_every)
         if save or evaluate or step % settings.log_every == 0:
             metrics = [m | shape for m in window.flush(groups.world_group)]
+            for warning in guard.review(metrics):  # the device step's flags, judged now (nonfinite.py)
+                if is_rank0:
+                    print(warning, flush=True)
+            if guard.stop is not None:  # a deferred bad step: stop without a checkpoint of what came after
+                metrics[-1]["stopped"] = guard.stop
+                _report(metrics, engine, fetched.payload, groups, save=False, run_dir=settings.run_dir)
+                return
             if observe is not None:
                 observe(session, metrics, first_step=resumed + 1)
             if evaluate:
@@ -311,26 +331,29 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
 
 def fetch_and_step(settings: WorkerSettings, planner: PlannerClient, engine: DeepSpeedEngine,
                    groups: ParallelGroups, device: torch.device, window: MetricsWindow, step: int,
-                   guard: NonFiniteGuard | None = None) -> tuple[Fetched, StepStats]:
+                   guard: NonFiniteGuard | None = None, sync: bool = False) -> tuple[Fetched, StepStats]:
     """One step: wait for this rank's payload, run it on `engine`, add the step to the metrics window.
 
     The window keeps the two timers every report is made of: the planner wait (Fetched.wait_s) and the
-    compute time of the step on this rank (StepStats.compute_s). A spare rank asks as dp_rank -1. With a
-    `guard`, a step DeepSpeed did not apply (non-finite) is judged there (warned about, or `guard.stop`).
+    compute time of the step on this rank (StepStats.compute_s, read on the log step). A spare rank asks
+    as dp_rank -1. With a `guard`, a step DeepSpeed did not apply (non-finite, a host bool) is judged here
+    (warned about, or `guard.stop`); the device step's flag is judged on the log step (`guard.review`).
+    `sync`: wait for the device at the end of the step (callers that time single steps).
     """
     dp_rank, cp_rank = (-1, 0) if groups.is_spare else (groups.dp_rank, groups.cp_rank)
     fetched = planner.fetch(step, dp_rank, cp_rank)
     lr = float(engine.get_lr()[0])  # this step's rate, from the optimizer (a host float: no device sync)
     stats = run_step(engine, fetched.payload, groups, device=device,
-                     loss_chunk_tokens=settings.loss_chunk_tokens)
-    if not stats.applied:
-        lr_schedule.skip(engine.lr_scheduler)
+                     loss_chunk_tokens=settings.loss_chunk_tokens, sync=sync)
     nonfinite = None
-    if guard is not None:
-        nonfinite = guard.after_step(step, stats.applied, stats.loss_sum, groups.world_group)
-        if nonfinite and guard.stop is None and dist.get_rank() == 0:
-            print(guard.warning(step, nonfinite), flush=True)
-    window.add(fetched, stats.loss_sum, engine.get_global_grad_norm(), stats.compute_s, applied=stats.applied,
-               nonfinite=nonfinite, skipped_steps=guard.skipped if guard is not None else 0, lr=lr,
-               laps=stats.laps)
+    if stats.applied is False:  # DeepSpeed's own step skipped it (the device step leaves a tensor)
+        lr_schedule.skip(engine.lr_scheduler)
+        if guard is not None:
+            nonfinite = guard.after_step(step, False, stats.loss_sum, groups.world_group)
+            if guard.stop is None and dist.get_rank() == 0:
+                print(guard.warning(step, nonfinite), flush=True)
+    elif stats.applied is True and guard is not None:
+        guard.after_step(step, True, stats.loss_sum, groups.world_group)
+    window.add(fetched, stats.loss_sum, engine.get_global_grad_norm(), stats.laps, applied=stats.applied,
+               nonfinite=nonfinite, skipped_steps=guard.skipped if guard is not None else 0, lr=lr)
     return fetched, stats

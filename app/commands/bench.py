@@ -1,5 +1,7 @@
-"""`python -m app bench planner|compute|attention|train|peer|data`: planning latency, compute profile, DACP
-overlap, measured training step time of the scheduling policies (`bench train`, app/commands/bench_train.py),
+"""`python -m app bench planner|compute|attention|train|step|peer|data`: planning latency, compute profile,
+DACP overlap, measured training step time of the scheduling policies (`bench train`,
+app/commands/bench_train.py), the training step's speed per config variant on one device (`bench step`,
+app/commands/bench_step.py),
 this project against TRL's SFTTrainer (`bench peer`, app/commands/bench_peer.py), tokenize throughput
 against `datasets.map` (`bench data`, app/commands/bench_data.py).
 
@@ -17,7 +19,7 @@ import argparse
 import json
 import time
 
-from app.commands import bench_attention, bench_compute, bench_data, bench_peer, bench_train
+from app.commands import bench_attention, bench_compute, bench_data, bench_peer, bench_step, bench_train
 
 CASES = ((64, 8), (256, 32), (1024, 128), (4096, 1024))
 CP_SIZE = 8
@@ -46,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "model, tokens and steps, run alternately; tokens/s and the ratios")
     bench_peer.add_arguments(peer)  # stdlib-only at import: each side runs in its own process
     peer.set_defaults(_bench=bench_peer.run)
+    step = sub.add_parser("step", help="the training step of config variants, interleaved on one device "
+                                       "(no Ray): tokens/s, MFU, micro-batch / optimizer / gap time, peak "
+                                       "memory against the memory model")
+    bench_step.add_arguments(step)  # stdlib-only at import: torch and DeepSpeed load when it runs
+    step.set_defaults(_bench=bench_step.run)
     data = sub.add_parser("data", help="tokenize throughput: this pipeline at 1 task and every CPU vs "
                                        "datasets.map(num_proc=CPUs), same rows and tokenize function")
     bench_data.add_arguments(data)  # stdlib-only at import: Ray and datasets load when it runs

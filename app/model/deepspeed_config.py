@@ -7,20 +7,26 @@ Why these settings:
 - ZeRO-2 `overlap_comm` only on GPU: on CPU/gloo it buys nothing and costs a copy.
 - The loss is already normalized by the global batch's label tokens and multiplied by the world size in the
   train loop, which cancels DeepSpeed's mean over all DP x CP ranks (CP ranks hold replicas).
-- The optimizer is torch's own AdamW everywhere (`torch_adam: true`), with ZeRO-2 around it: DeepSpeed's
+- The optimizer is torch's own AdamW everywhere (`torch_adam: true`), with ZeRO around it: DeepSpeed's
   FusedAdam (GPU) and CPUAdam are C++/CUDA ops it JIT-compiles on first use, which needs nvcc and a CUDA
   toolkit matching torch that pip's torch wheels do not ship, so every worker of a GPU run would die in
   `deepspeed.initialize` on a machine without one. DeepSpeed 0.19's `get_optimizer_configuration`
-  (runtime/engine.py) returns `torch.optim.AdamW` for `torch_adam` with an AdamW type, passing `foreach`
-  and every other param through. On GPU `foreach: true` (torch's multi-tensor CUDA kernels, shipped in the
-  wheel), not `fused: true`: fused AdamW keeps its `step` counters on the GPU, which torch's own
-  `load_state_dict` arranges but DeepSpeed's universal-checkpoint loader (resuming on another world size,
-  `load_hp_checkpoint_state_from_checkpoint_dir` in runtime/base_optimizer.py) does not: it sets `step` to
-  the CPU tensor `ds_to_universal` saved. foreach hosts `step` on the CPU by design (torch/optim/adam.py,
-  "special device hosting for step"). What fused would save is small: ZeRO-2 hands the optimizer one flat
-  fp32 partition per group, so foreach is a handful of memory-bound passes over it (milliseconds for 7B's
-  partition on 8 GPUs) against steps of seconds. On CPU torch's default (a for-loop: foreach and fused
-  are off by default for CPU tensors).
+  (runtime/engine.py) returns `torch.optim.AdamW` for `torch_adam` with an AdamW type, passing `fused` /
+  `foreach` and every other param through. `train.optimizer_impl` picks torch's implementation: `fused`
+  (the default on CUDA) is one kernel over the flat partition and takes a device-side "found inf" flag,
+  which lets workers/zero_step.py run the whole optimizer step without a host synchronization; fused
+  keeps its `step` counters on the parameters' device, which DeepSpeed's universal-checkpoint loader
+  does not (it restores them as CPU tensors), so a resume moves them back (workers/zero_step.py
+  `place_step_counters`). `foreach` keeps DeepSpeed's own step; on CPU `auto` is torch's default (a
+  for-loop) under DeepSpeed's step.
+- `timers.throughput` off: DeepSpeed's throughput timer synchronizes the device at every `engine.step()`
+  (deepspeed/utils/timer.py ThroughputTimer.stop with its default `synchronized: true`) to time steps the
+  product times itself with CUDA events (workers/laps.py).
+- ZeRO `overlap_comm` follows `train.overlap_comm`: on GPUs it overlaps the gradient reduction with the
+  backward on a side stream, at the price of a device synchronization at the end of every backward
+  (stage_1_and_2.py `independent_gradient_partition_epilogue`); with one worker there is nothing to
+  overlap, so `auto` turns it off there (the worker decides, `for_world_size`: an elastic run's size is
+  known only when its workers start).
 - No `scheduler` section: the learning-rate schedule (train.lr_scheduler, warmup, min_lr_ratio) is torch's
   LambdaLR over workers/lr_schedule.py, handed to `deepspeed.initialize` as the client scheduler, because
   it must follow the run's global step across resumes and skipped updates, and DeepSpeed's WarmupLR has no
@@ -59,6 +65,14 @@ def persistence_threshold(hidden_size: int) -> int:
     return 10 * hidden_size if hidden_size > 0 else DEEPSPEED_PERSISTENCE_THRESHOLD
 
 
+def optimizer_impl(train: TrainConfig, *, on_gpu: bool) -> str:
+    """train.optimizer_impl resolved: fused on CUDA under auto; on CPU auto is "default" (torch's for-loop,
+    neither fused nor foreach)."""
+    if train.optimizer_impl != "auto":
+        return train.optimizer_impl
+    return "fused" if on_gpu else "default"
+
+
 def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool,
                      hidden_size: int = 0) -> DeepSpeedConfig:
     """ZeRO engine settings (train.zero_stage) for the train section and the model's dtype (model.dtype);
@@ -80,7 +94,7 @@ def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool,
         },
         "zero_optimization": {
             "stage": train.zero_stage,
-            "overlap_comm": on_gpu,
+            "overlap_comm": on_gpu if train.overlap_comm == "auto" else train.overlap_comm == "on",
             "contiguous_gradients": True,
             "reduce_scatter": True,
             "reduce_bucket_size": 5e7 if on_gpu else 5e5,
@@ -89,13 +103,15 @@ def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool,
         "gradient_clipping": train.grad_clip,
         "bf16": {"enabled": dtype == "bf16"},
         "wall_clock_breakdown": False,
+        "timers": {"throughput": {"enabled": False}},  # its stop() synchronizes the device every step
     }
     if train.zero_stage == 3:
         ds["zero_optimization"].update(stage3_prefetch_bucket_size=5e7 if on_gpu else 5e5,
                                        stage3_param_persistence_threshold=persistence_threshold(hidden_size),
                                        stage3_max_live_parameters=1e9, stage3_max_reuse_distance=1e9)
-    if on_gpu:
-        ds["optimizer"]["params"]["foreach"] = True
+    impl = optimizer_impl(train, on_gpu=on_gpu)
+    if impl != "default":
+        ds["optimizer"]["params"][impl] = True
     if dtype == "bf16":  # train.zero_stage is 1, 2 or 3 (app/config.py): each honours it
         ds["data_types"] = {"grad_accum_dtype": "fp32"}
     return ds

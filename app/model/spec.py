@@ -29,6 +29,7 @@ def model_spec(model: ModelConfig, train: TrainConfig, *, tokenizer: str | TextT
         activation_checkpointing=train.activation_checkpointing,
         activation_checkpointing_every=train.activation_checkpointing_every,
         activation_offload=train.activation_offload, attention_backend=model.attention_backend,
+        kernels=model.kernels, compile=train.compile,
         lora_r=model.lora.r, lora_alpha=model.lora.alpha, lora_dropout=model.lora.dropout,
         lora_target_modules=(model.lora.target_modules if isinstance(model.lora.target_modules, str)
                              else tuple(model.lora.target_modules)),

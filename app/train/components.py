@@ -100,6 +100,7 @@ def worker_settings(config: SkrullConfig, planner: ActorHandle | None, monitor: 
         nonfinite=NonFinitePolicy(train.nonfinite, train.max_skipped_steps),
         lr_schedule=lr_schedule(train, total_steps),
         calibration=config.scheduling.calibration == "online",
+        warmup_tokens=config.scheduling.bucket_size, overlap_comm=train.overlap_comm,
     )
 
 

@@ -39,25 +39,55 @@ def _check(runtime: AttentionRuntime, index: DacpIndex, q_THD: torch.Tensor) -> 
         runtime.comm_for(part.degree)  # raises naming the missing subgroup before any transfer is posted
 
 
+def dacp_attention_forward_parts(q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD: torch.Tensor,
+                                 index: DacpIndex, runtime: AttentionRuntime, scale: float,
+                                 overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [T, H, D], lse [H, T] fp32): the local part and every ring part, overlapped (module docstring)."""
+    kernel = runtime.kernel
+    num_local = index.layout.num_local_tokens
+    # Empty ring parts (no distributed sequence) have nothing to exchange: no ring at all.
+    rings = [ring for ring in index.rings if ring.num_tokens]
+    parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def local() -> None:
+        parts["local"] = kernel.forward(q_THD[:num_local], k_KGD[:num_local], v_KGD[:num_local],
+                                        index.local, scale=scale)
+
+    steps = [ring_forward_steps(kernel, q_THD[r.rows], k_KGD[r.rows], v_KGD[r.rows], r,
+                                runtime.comm_for(r.degree), scale) for r in rings]
+    results = run_rings(steps, local, concurrent=overlap)  # runs local() too, rings or not
+    outs = [parts["local"], *results]
+    return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs], dim=1)
+
+
+def dacp_attention_backward_parts(dout_THD: torch.Tensor, q_THD: torch.Tensor, k_KGD: torch.Tensor,
+                                  v_KGD: torch.Tensor, out_THD: torch.Tensor, lse_HT: torch.Tensor,
+                                  index: DacpIndex, runtime: AttentionRuntime, scale: float,
+                                  overlap: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of dacp_attention_forward_parts: the local backward and the rings' backward steps."""
+    kernel = runtime.kernel
+    loc = slice(0, index.layout.num_local_tokens)
+    dout_THD = dout_THD.contiguous()
+    rings = [ring for ring in index.rings if ring.num_tokens]
+    grads: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def local() -> None:
+        grads["local"] = kernel.backward(dout_THD[loc], q_THD[loc], k_KGD[loc], v_KGD[loc], out_THD[loc],
+                                         lse_HT[:, loc], index.local, scale=scale)
+
+    steps = [ring_backward_steps(kernel, dout_THD[r.rows], q_THD[r.rows], k_KGD[r.rows], v_KGD[r.rows],
+                                 out_THD[r.rows], lse_HT[:, r.rows], r, runtime.comm_for(r.degree), scale)
+             for r in rings]
+    results = run_rings(steps, local, concurrent=overlap)  # runs local() too, rings or not
+    parts = [grads["local"], *results]
+    dq, dk, dv = (torch.cat([p[i] for p in parts]) for i in range(3))
+    return dq, dk, dv
+
+
 class _DacpAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THD, k_KGD, v_KGD, index, runtime, scale, overlap):
-        kernel = runtime.kernel
-        num_local = index.layout.num_local_tokens
-        # Empty ring parts (no distributed sequence) have nothing to exchange: no ring at all.
-        rings = [ring for ring in index.rings if ring.num_tokens]
-        parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def local() -> None:
-            parts["local"] = kernel.forward(q_THD[:num_local], k_KGD[:num_local], v_KGD[:num_local],
-                                            index.local, scale=scale)
-
-        steps = [ring_forward_steps(kernel, q_THD[r.rows], k_KGD[r.rows], v_KGD[r.rows], r,
-                                    runtime.comm_for(r.degree), scale) for r in rings]
-        results = run_rings(steps, local, concurrent=overlap)  # runs local() too, rings or not
-        outs = [parts["local"], *results]
-        out_THD = torch.cat([o for o, _ in outs])
-        lse_HT = torch.cat([lse for _, lse in outs], dim=1)
+        out_THD, lse_HT = dacp_attention_forward_parts(q_THD, k_KGD, v_KGD, index, runtime, scale, overlap)
         ctx.save_for_backward(q_THD, k_KGD, v_KGD, out_THD, lse_HT)
         ctx.setup = (index, runtime, scale, overlap)
         ctx.mark_non_differentiable(lse_HT)
@@ -67,22 +97,8 @@ class _DacpAttention(torch.autograd.Function):
     def backward(ctx, dout_THD, _dlse):
         q_THD, k_KGD, v_KGD, out_THD, lse_HT = ctx.saved_tensors
         index, runtime, scale, overlap = ctx.setup
-        kernel = runtime.kernel
-        loc = slice(0, index.layout.num_local_tokens)
-        dout_THD = dout_THD.contiguous()
-        rings = [ring for ring in index.rings if ring.num_tokens]
-        grads: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-        def local() -> None:
-            grads["local"] = kernel.backward(dout_THD[loc], q_THD[loc], k_KGD[loc], v_KGD[loc], out_THD[loc],
-                                             lse_HT[:, loc], index.local, scale=scale)
-
-        steps = [ring_backward_steps(kernel, dout_THD[r.rows], q_THD[r.rows], k_KGD[r.rows], v_KGD[r.rows],
-                                     out_THD[r.rows], lse_HT[:, r.rows], r, runtime.comm_for(r.degree), scale)
-                 for r in rings]
-        results = run_rings(steps, local, concurrent=overlap)  # runs local() too, rings or not
-        parts = [grads["local"], *results]
-        dq, dk, dv = (torch.cat([p[i] for p in parts]) for i in range(3))
+        dq, dk, dv = dacp_attention_backward_parts(dout_THD, q_THD, k_KGD, v_KGD, out_THD, lse_HT, index,
+                                                   runtime, scale, overlap)
         return dq, dk, dv, None, None, None, None
 
 

@@ -30,6 +30,8 @@ from workers.attention.layout import DacpLayout
 from workers.attention.runtime import AttentionRuntime, default_runtime
 
 ATTENTION_NAME = "dacp"
+OP_ATTENTION_NAME = "dacp_op"
+"""The same attention through the custom op (workers/attention/op.py), for compiled decoder layers."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -87,3 +89,29 @@ def register_dacp_attention() -> str:
 
     AttentionInterface.register(ATTENTION_NAME, dacp_attention_forward)
     return ATTENTION_NAME
+
+
+def dacp_op_attention_forward(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [1, H, T, D], key/value [1, G, T, D] -> (out [1, T, H, D], None), through
+    torch.ops.skrull.dacp_attention with the micro-batch's index from its call context (workers/attention/
+    op.py: a compiled layer's graph takes tensors only; the sliding-window check runs per micro-batch in
+    workers/forward.py)."""
+    from workers.attention.op import dacp_attention_op
+
+    if dropout:
+        raise ValueError("the dacp attention has no dropout: set the model config's attention_dropout to 0")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out, _ = dacp_attention_op(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                               scale)
+    return out[None], None
+
+
+def register_dacp_op_attention() -> str:
+    """Register "dacp_op" with transformers' AttentionInterface (idempotent); returns the name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(OP_ATTENTION_NAME, dacp_op_attention_forward)
+    return OP_ATTENTION_NAME

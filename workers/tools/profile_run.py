@@ -83,6 +83,8 @@ class ProfileSettings:
     seed: int = 0
     steps: tuple[dict[tuple[int, int], RankPayload], ...] = ()
     """Per whole step to time, the payload of every (dp_rank, cp_rank)."""
+    overlap_comm: str = "auto"
+    """train.overlap_comm (workers/engine.py for_world_size)."""
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -179,8 +181,9 @@ def _whole_steps(engine: Any, s: ProfileSettings, groups: ParallelGroups,
         return spare_payload(step[0, 0], 0) if groups.is_spare else step[groups.dp_rank, groups.cp_rank]
 
     def timed(step: dict[tuple[int, int], RankPayload]) -> tuple[float, list[float]]:
-        stats = run_step(engine, payload(step), groups, device=device, loss_chunk_tokens=s.loss_chunk_tokens)
-        return _slowest(stats.compute_s, device), stats.laps.seconds() if stats.laps else []
+        stats = run_step(engine, payload(step), groups, device=device, loss_chunk_tokens=s.loss_chunk_tokens,
+                         sync=True)
+        return _slowest(stats.compute_s, device), stats.laps.seconds()
 
     if s.steps:
         timed(s.steps[0])
@@ -204,7 +207,7 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
     model = s.model.build().to(device)
     model.train()
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    engine = build_engine(s.model, s.deepspeed, device, s.seed, zero)
+    engine = build_engine(s.model, s.deepspeed, device, s.seed, zero, overlap_comm=s.overlap_comm)
     result: dict[str, Any] = {
         "world_size": world_size, "cp_size": s.cp_size, "params": params,
         "compute": _compute_rows(engine, s, groups, device),

@@ -57,7 +57,7 @@ def step_batches(config: SkrullConfig, steps: int) -> list[StepBatch]:
     check_peer_config(config)
     size = config.scheduling.global_batch_size
     needed = (WARMUP_STEPS + steps) * size
-    usable = _usable_rows(config, needed)
+    usable = usable_rows(config, needed)
     if len(usable) < needed:
         raise ConfigError(f"--steps={steps}: {WARMUP_STEPS} warm-up + {steps} counted steps of "
                           f"scheduling.global_batch_size={size} need {needed} usable rows, the data has "
@@ -67,7 +67,7 @@ def step_batches(config: SkrullConfig, steps: int) -> list[StepBatch]:
             for n in range(WARMUP_STEPS + steps)]
 
 
-def _usable_rows(config: SkrullConfig, needed: int) -> list[PreviewRow]:
+def usable_rows(config: SkrullConfig, needed: int) -> list[PreviewRow]:
     """The first `needed` usable rows; reads twice as many rows each time until the source runs out."""
     count = needed
     while True:

@@ -1,0 +1,182 @@
+"""The device side of `python -m app bench step`: the workers' own engine and step, one process, one device.
+
+    one-rank process group (gloo on CPU, NCCL on CUDA; a FileStore: no socket)
+    per variant: build_engine (its kernels, compile, optimizer, DeepSpeed JSON) -> warm_up (C tokens)
+    for step in 1 .. warmup + steps:
+        for variant in that step's order (rotated by one each step, as bench train's policies):
+            activate its kernel set; synchronize; run_step(sync=True)        (the training step itself)
+            -> step_s (wall), laps (micro-batch busy time, optimizer), loss, peak memory
+    --trace: one more step per variant under torch.profiler -> <dir>/<variant>.json + its 15 top ops
+
+What a step's time splits into (StepReading):
+    micro_batch_s  sum over micro-batches of the device's time from each one's first kernel to the end of its
+                   backward (workers/laps.py `busy`)
+    optimizer_s    the optimizer step's lap
+    gap_s          step_s minus both: the host work before the first kernel, the device idle between
+                   micro-batches, and the end of the step (what an async step without host waits hides)
+
+Every variant keeps its engine on the device for the whole run, so the peak of one step is measured against
+the memory the other variants hold: `peak_bytes` is the step's rise over what was allocated before it, plus
+what this variant's engine holds (its build's allocations and what its steps kept, e.g. Adam's state after
+the first): the peak the variant would reach alone.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from scheduling.payload import RankPayload
+from workers.distributed import ParallelGroups
+from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
+from workers.kernels import kernel_set
+from workers.models import ModelSpec
+from workers.step import run_step, synchronize
+from workers.warmup import warm_up
+
+TOP_OPS = 15
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepVariant:
+    """One variant of the config: what its engine is built from and the steps it trains (warm-up first)."""
+
+    name: str
+    model: ModelSpec
+    deepspeed: DeepSpeedConfig
+    overlap_comm: str
+    loss_chunk_tokens: int
+    warmup_tokens: int
+    attention_backend: str
+    payloads: tuple[RankPayload, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepReading:
+    step: int
+    step_s: float
+    micro_batch_s: float
+    optimizer_s: float
+    gap_s: float
+    loss: float
+    applied: bool
+    peak_bytes: float | None
+    micro_batches: int
+
+
+@dataclass
+class _Live:
+    variant: StepVariant
+    engine: Any
+    groups: ParallelGroups
+    resident: float = 0.0
+    readings: list[StepReading] = field(default_factory=list)
+
+
+def bench_steps(variants: list[StepVariant], *, device: torch.device, seed: int = 0,
+                trace_dir: str | None = None) -> dict[str, Any]:
+    """Every variant's StepReadings (interleaved, module docstring), its kernel set and, with `trace_dir`,
+    its top ops; initializes (and destroys) a one-rank process group unless one exists."""
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        _init_single_rank(device)
+    try:
+        live = [_build(v, device, seed) for v in variants]
+        steps = len(variants[0].payloads)
+        for step in range(steps):
+            shift = step % len(live)
+            for entry in live[shift:] + live[:shift]:
+                entry.readings.append(_timed_step(entry, step, device))
+        traces = {e.variant.name: _trace(e, device, trace_dir) for e in live} if trace_dir else {}
+        return {e.variant.name: {"readings": e.readings, "kernels": e.engine.module.skrull_kernels,
+                                 "optimizer": _optimizer_name(e.engine),
+                                 "top_ops": traces.get(e.variant.name)} for e in live}
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _init_single_rank(device: torch.device) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
+    store = dist.FileStore(tempfile.mktemp(prefix="skrull-bench-step-"), 1)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timedelta(minutes=30))
+
+
+def _allocated(device: torch.device) -> float:
+    return float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0.0
+
+
+def _build(variant: StepVariant, device: torch.device, seed: int) -> _Live:
+    before = _allocated(device)
+    groups = ParallelGroups.create(1, device=device, attention_backend=variant.attention_backend)
+    zero = ZeroGroups.create(timedelta(minutes=30))
+    engine = build_engine(variant.model, variant.deepspeed, device, seed, zero,
+                          overlap_comm=variant.overlap_comm)
+    warm_up(engine, groups, device, tokens=variant.warmup_tokens, loss_chunk_tokens=variant.loss_chunk_tokens)
+    synchronize(device)
+    return _Live(variant=variant, engine=engine, groups=groups, resident=_allocated(device) - before)
+
+
+def _activate(entry: _Live) -> None:
+    """The variant's kernel set owns the process's module-level RoPE for its step (workers/kernels)."""
+    kernel_set(entry.engine.module.skrull_kernels).activate(entry.engine.module)
+
+
+def _timed_step(entry: _Live, index: int, device: torch.device) -> StepReading:
+    payload = entry.variant.payloads[index]
+    _activate(entry)
+    synchronize(device)
+    before = _allocated(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    stats = run_step(entry.engine, payload, entry.groups, device=device,
+                     loss_chunk_tokens=entry.variant.loss_chunk_tokens, sync=True)
+    step_s = time.perf_counter() - started
+    peak = None
+    if device.type == "cuda":
+        peak = float(torch.cuda.max_memory_allocated(device)) - before + entry.resident
+        entry.resident += _allocated(device) - before  # what the step kept (Adam's state on the first)
+    busy, laps = stats.laps.busy(), stats.laps.seconds()
+    micro = float(sum(busy[:-1]))
+    return StepReading(step=index + 1, step_s=step_s, micro_batch_s=micro, optimizer_s=float(laps[-1]),
+                       gap_s=max(0.0, step_s - micro - float(laps[-1])),
+                       loss=float(stats.loss_sum) / max(payload.global_label_tokens, 1),
+                       applied=bool(stats.applied), peak_bytes=peak, micro_batches=len(payload.micro_batches))
+
+
+def _optimizer_name(engine: Any) -> str:
+    """What steps the weights: the device step (workers/zero_step.py) or DeepSpeed's, and the AdamW kind."""
+    inner = engine.optimizer.optimizer
+    kind = next((k for k in ("fused", "foreach") if inner.defaults.get(k)), "for-loop")
+    own = hasattr(engine.optimizer, "skrull_applied")
+    return f"{kind} AdamW, {'device step' if own else 'DeepSpeed step'}"
+
+
+def _trace(entry: _Live, device: torch.device, trace_dir: str) -> list[dict[str, Any]]:
+    """One more step of the variant under torch.profiler: a Chrome trace and its TOP_OPS ops by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _activate(entry)
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        run_step(entry.engine, entry.variant.payloads[-1], entry.groups, device=device,
+                 loss_chunk_tokens=entry.variant.loss_chunk_tokens, sync=True)
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(Path(trace_dir) / f"{entry.variant.name}.json"))
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:TOP_OPS]
+    return [{"op": e.key, "self_ms": getattr(e, key, 0.0) / 1e3, "calls": e.count} for e in events]

@@ -1,0 +1,36 @@
+"""One untimed warm-up micro-batch before a worker group's first step.
+
+The first micro-batch of a run pays for what later ones reuse: the CUDA caching allocator's segments
+(a first micro-batch of C tokens grows them to the size every later one needs), cuBLAS / Triton autotuning,
+torch.compile's graphs for a dynamic token count, lazy initializations in the libraries. Run once, before
+step 1, as a real micro-batch of `tokens` random tokens on every rank (one whole local sequence each, no
+ring: the CP ranks need not agree on a layout), its loss multiplied by 0: its backward goes through
+DeepSpeed's gradient reduction like any micro-batch (every rank runs it, so ZeRO's collectives match) and
+adds exact zeros to the gradient the first step then accumulates. No optimizer step, no metrics, no laps:
+the online calibration never sees it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from scheduling import DacpPlan
+from workers.batch import build_rank_batch
+from workers.distributed import ParallelGroups
+from workers.step import engine_loss_sum
+
+
+def warm_up(engine: object, groups: ParallelGroups, device: torch.device, *, tokens: int,
+            loss_chunk_tokens: int) -> None:
+    """Forward + backward of one `tokens`-token micro-batch with a zero loss (module docstring); 0: none."""
+    if tokens <= 0:
+        return
+    cp_rank, cp_size = (0, 1) if groups.is_spare else (groups.cp_rank, groups.cp_size)
+    vocab = engine.module.get_input_embeddings().num_embeddings
+    ids = np.random.default_rng(0).integers(0, vocab, size=tokens, dtype=np.int64)
+    plan = DacpPlan(local=tuple((0,) if r == cp_rank else () for r in range(cp_size)), distributed=())
+    batch = build_rank_batch(plan, [ids], [ids], cp_rank=cp_rank, cp_size=cp_size).to(device)
+    engine.set_gradient_accumulation_boundary(False)
+    loss = engine_loss_sum(engine, batch, runtime=groups.attention, loss_chunk_tokens=loss_chunk_tokens)
+    engine.backward(loss * 0.0, scale_wrt_gas=False)
