@@ -537,6 +537,13 @@ class SkrullConfig:
                  "scheduling.policy=chunkflow runs its dependent chunks through the model directly, and "
                  "ZeRO-3 counts its micro-steps in DeepSpeed's engine.forward: use train.zero_stage=2 with "
                  "chunkflow")
+        _require(not self.train.compile or self.scheduling.policy != "chunkflow",
+                 "train.compile runs the DACP attention as one op per micro-batch, and scheduling.policy="
+                 "chunkflow runs several chunks' forwards before their backwards: set train.compile=false "
+                 "with chunkflow")
+        _require(not self.train.compile or self.train.zero_stage < 3,
+                 "train.compile compiles each decoder layer, whose weights ZeRO-3 gathers in hooks the "
+                 "compiled graph would have to trace: use train.zero_stage=1 or 2 with train.compile=true")
         dp = self.parallel.dp_size
         _require(self.scheduling.global_batch_size >= dp,
                  f"scheduling.global_batch_size={self.scheduling.global_batch_size} is smaller than the DP "
@@ -547,6 +554,9 @@ class SkrullConfig:
         _require(backend == "auto" or (backend == "torch") != on_gpu,
                  f"model.attention_backend={backend} runs on {'CPU' if backend == 'torch' else 'CUDA'} only, "
                  f"but resources.gpus_per_worker={self.resources.gpus_per_worker:g}: use auto or change one")
+        _require(on_gpu or self.model.kernels != "liger",
+                 "model.kernels=liger runs liger-kernel's Triton kernels, which need CUDA, but "
+                 "resources.gpus_per_worker=0: use model.kernels=torch (or auto) on CPU workers")
         # transformers offloads into pinned host memory, which a CPU-only torch refuses; on CPU the
         # activations are in host memory already.
         _require(on_gpu or not self.train.activation_offload,

@@ -17,6 +17,21 @@
 #   profile  `python -m app profile` of Qwen2.5-0.5B's shape (random weights, synthetic data) on this node's
 #            GPUs (DP 1 x CP = GPUs, at most 8) -> $OUT/gpu.yaml, a hardware profile of this machine
 #   bench    `python -m app bench train` of the same run, with $OUT/gpu.yaml (else configs/hardware/h100.yaml)
+#   speed    the GPU-speed matrix, ~6-8 minutes on one GPU, each part time-boxed and written as it ends:
+#            `bench step` of Qwen2.5-0.5B's shape at C = 16384 over the knobs (today's path; each knob
+#            alone: the device step, liger kernels, torch.compile, no checkpointing; all on, by each fusion
+#            route) -> speed_step.json; `train` with scheduling.bucket_size=auto -> train_auto.json; `train`
+#            as the train stage runs it -> train.json; the CUDA tests of the knobs (tests/test_kernels_cuda.py);
+#            `profile` -> gpu.yaml; `bench peer --device cuda` (TRL in bf16) -> speed_peer.json; all of it in
+#            speed.json. Not part of `all`.
+#   speed    the GPU-speed matrix, about 6-8 minutes on one GPU, every part time-boxed and written as it ends:
+#            `bench step` of Qwen2.5-0.5B's shape at C = 16384 over the knobs (today's path; each knob alone:
+#            the device step, liger kernels, torch.compile, no checkpointing; all on, by each fusion route)
+#            -> speed_step.json; `train` with the config's defaults (scheduling.bucket_size=auto) ->
+#            train_auto.json; `train` as the train stage runs it -> train.json; `profile` -> gpu.yaml;
+#            `bench peer --device cuda` (TRL in bf16 beside this project) -> speed_peer.json; the CUDA
+#            tests of the knobs (liger against transformers' modules, a step without host sync); all of it
+#            in speed.json. Not part of `all`.
 #   all      every stage in that order, stopping at the first that fails; install is skipped when torch,
 #            ray and deepspeed already import in the stages' python
 # Without CUDA it fails at once, saying so.
@@ -28,9 +43,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=(install kernels verify train profile bench)
-usage="usage: bash scripts/gpu_check.sh install|kernels|verify|train|profile|bench|all [python]"
+PARTS=(speed speed_step speed_tests speed_peer)  # speed, and the parts it runs as stages of their own
+usage="usage: bash scripts/gpu_check.sh install|kernels|verify|train|profile|bench|speed|all [python]"
 stage=${1:-}
-if [ -z "$stage" ] || { [ "$stage" != all ] && [[ ! " ${STAGES[*]} " == *" $stage "* ]]; }; then
+if [ -z "$stage" ] || { [ "$stage" != all ] && [[ ! " ${STAGES[*]} ${PARTS[*]} " == *" $stage "* ]]; }; then
   echo "$usage" >&2
   exit 2
 fi
@@ -163,22 +179,23 @@ stage_verify() {
 }
 
 # train: one GPU, Qwen2.5-0.5B's shape, TRAIN_STEPS steps of 64 sequences, then train.json from its run.
+# TRAIN_NAME (default train) names the run and its files; `speed` runs it again with bucket_size=auto.
 TRAIN_STEPS=20
 stage_train() {
   need_cuda
-  local profile=h100 overrides=() override
+  local name=${TRAIN_NAME:-train} profile=h100 overrides=() override
   [ -f "$OUT/gpu.yaml" ] && profile=$OUT/gpu.yaml
   read -r -a overrides <<< "${SKRULL_GPU_CHECK_TRAIN_SET:-}"
   local run=(--config configs/qwen2.5-0.5b-gpu.yaml "${QWEN05[@]}" --set data.source=synthetic
     --set data.distribution=lmsys --set data.num_samples=$((64 * TRAIN_STEPS)) --set parallel.num_workers=1
     --set parallel.cp_size=1 --set scheduling.global_batch_size=64 --set scheduling.bucket_size=16384
     --set train.steps=$TRAIN_STEPS --set hardware.profile="$profile" --set resources.cpus_per_worker=1
-    --set run.storage_path="$OUT/runs" --set run.name=train)
+    --set run.storage_path="$OUT/runs" --set run.name="$name")
   for override in "${overrides[@]}"; do run+=(--set "$override"); done
-  rm -rf "$OUT/runs/train"  # a re-run trains afresh: the finished run would otherwise be resumed
+  rm -rf "${OUT:?}/runs/$name"  # a re-run trains afresh: the finished run would otherwise be resumed
   # An embedded Ray of its own (no RAY_ADDRESS): the product's path on this node alone.
-  run_json train_run env -u RAY_ADDRESS "$py" -m app train "${run[@]}" --json || return 1
-  "$py" - "$OUT/train_run.json" "$OUT/train.json" <<'EOF'
+  run_json "${name}_run" env -u RAY_ADDRESS "$py" -m app train "${run[@]}" --json || return 1
+  "$py" - "$OUT/${name}_run.json" "$OUT/$name.json" <<'EOF'
 """train.json from the run's own records: `report`'s summary of metrics.jsonl and the run's saved config,
 beside the memory model (the terms of `profile`'s BucketSize) and the hardware profile's step times."""
 import importlib.metadata
@@ -266,13 +283,103 @@ stage_bench() {
     --no-progress --json --plot "$OUT/bench_train.png"
 }
 
+# speed: the GPU-speed matrix (the header says what): each part in a process of its own under its own time
+# limit, its JSON written as it ends. SKRULL_GPU_CHECK_SPEED_{PARTS,VARIANTS,SET,STEPS} are for the CPU test.
+SPEED_STEPS=${SKRULL_GPU_CHECK_SPEED_STEPS:-4}
+SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-step,train_auto,train,cuda_tests,profile,peer}
+TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false"
+STEP_ON="train.optimizer_impl=fused,train.overlap_comm=auto"
+SPEED_VARIANTS=(
+  "today:$TODAY"
+  "device_step:$TODAY,$STEP_ON"
+  "liger:$TODAY,model.kernels=liger"
+  "compile:$TODAY,train.compile=true"
+  "no_ckpt:$TODAY,train.activation_checkpointing=false"
+  "all_liger:$STEP_ON,model.kernels=liger,train.compile=false,train.activation_checkpointing=false"
+  "all_compile:$STEP_ON,model.kernels=torch,train.compile=true,train.activation_checkpointing=false"
+)
+speed_sets() {  # the 0.5B shape on synthetic LMSYS-like data, then the test's overrides
+  local extra=() v
+  SETS=(--config configs/qwen2.5-0.5b-gpu.yaml "${QWEN05[@]}" --set data.source=synthetic
+    --set data.distribution=lmsys --set scheduling.global_batch_size=64 "$@")
+  read -r -a extra <<< "${SKRULL_GPU_CHECK_SPEED_SET:-}"
+  for v in "${extra[@]}"; do SETS+=(--set "$v"); done
+}
+stage_speed_step() {
+  need_cuda
+  local variants=() v
+  read -r -a variants <<< "${SKRULL_GPU_CHECK_SPEED_VARIANTS:-${SPEED_VARIANTS[*]}}"
+  speed_sets --set data.num_samples=$((64 * (SPEED_STEPS + 1))) --set scheduling.bucket_size=16384 \
+    --set hardware.profile=h100
+  for v in "${variants[@]}"; do SETS+=(--variant "$v"); done
+  run_json speed_step "$py" -m app bench step "${SETS[@]}" --steps "$SPEED_STEPS" --warmup 1 --json
+}
+stage_speed_peer() {
+  need_cuda
+  speed_sets --set data.num_samples=192 --set data.shuffle=false --set parallel.num_workers=1 \
+    --set parallel.cp_size=1 --set resources.cpus_per_worker=1 --set run.storage_path="$OUT/runs"
+  run_json speed_peer "$py" -m app bench peer "${SETS[@]}" --device cuda --steps 2 --rounds 1 --json
+}
+stage_speed_tests() {
+  need_cuda
+  "$py" -m pytest -q -p no:cacheprovider -m cuda tests/test_kernels_cuda.py 2>&1 | tee "$OUT/speed_tests.log"
+  return "${PIPESTATUS[0]}"
+}
+part() {  # part NAME LIMIT_S STAGE [ENV=VALUE ...]: one part as `gpu_check.sh STAGE`, time-boxed
+  local name=$1 limit=$2 target=$3 started rc
+  shift 3
+  [[ ",$SPEED_PARTS," == *",$name,"* ]] || return 0
+  started=$(date +%s)
+  env "$@" PYTHON="$py" SKRULL_GPU_CHECK_STAGE="$target" timeout -k 10 "$limit" bash "$0" "$target"
+  rc=$?
+  echo "$name $rc $(( $(date +%s) - started ))" >> "$OUT/speed_parts.txt"
+  echo "gpu_check speed: $name exit $rc after $(( $(date +%s) - started )) s"
+}
+stage_speed() {
+  need_cuda
+  rm -f "$OUT/speed_parts.txt"
+  touch "$OUT/speed_parts.txt"
+  part step 300 speed_step
+  part train_auto 160 train TRAIN_NAME=train_auto \
+    SKRULL_GPU_CHECK_TRAIN_SET="${SKRULL_GPU_CHECK_TRAIN_SET:-} scheduling.bucket_size=auto"
+  part train 160 train TRAIN_NAME=train
+  part cuda_tests 90 speed_tests
+  part profile 150 profile
+  part peer 200 speed_peer
+  "$py" - "$OUT" <<'EOF'
+"""speed.json: every part's exit status and seconds, and the JSON each wrote."""
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+parts = {}
+for line in (out / "speed_parts.txt").read_text().splitlines():
+    name, rc, seconds = line.split()
+    parts[name] = {"exit": int(rc), "seconds": int(seconds)}
+result = {"parts": parts}
+for key, file in (("bench_step", "speed_step.json"), ("train_auto", "train_auto.json"),
+                  ("train", "train.json"), ("peer", "speed_peer.json")):
+    try:
+        result[key] = json.loads((out / file).read_text()) if key in parts or key == "bench_step" else None
+    except (OSError, ValueError):
+        result[key] = None
+result["profile"] = str(out / "gpu.yaml") if (out / "gpu.yaml").exists() else None
+(out / "speed.json").write_text(json.dumps(result, indent=1) + "\n")
+failed = [name for name, p in parts.items() if p["exit"] != 0]
+print(f"speed.json: {out / 'speed.json'}" + (f" (failed: {', '.join(failed)})" if failed else ""))
+sys.exit(1 if failed else 0)
+EOF
+}
+
 if [ "${SKRULL_GPU_CHECK_STAGE:-}" = "$stage" ]; then  # one stage, inside the timeout below
   "stage_$stage"
   exit $?
 fi
 [ "$stage" = all ] && need_driver  # before install: a machine without a GPU stops here, at once
 echo "gpu_check: results in $OUT"
-for name in "${STAGES[@]}"; do
+for name in "${STAGES[@]}" "${PARTS[@]}"; do
+  [ "$stage" = all ] && [[ " ${PARTS[*]} " == *" $name "* ]] && continue  # speed is not part of all
   [ "$stage" = all ] || [ "$stage" = "$name" ] || continue
   pick_python  # after install: ./.venv's (unless a python was given or python3 has the stack)
   if [ "$stage" = all ] && [ "$name" = install ]; then
@@ -287,6 +394,7 @@ into it or onto its PYTHONPATH (README \"On a GPU cluster\"), or give no python 
     fi
   fi
   started=$(date +%s)
+  [ "$name" = speed ] && limit=${SKRULL_STAGE_TIMEOUT_S:-1200}  # its parts are time-boxed themselves
   PYTHON=$py SKRULL_GPU_CHECK_STAGE=$name timeout -k 30 "$limit" bash "$0" "$name"
   rc=$?
   echo "gpu_check $name: exit $rc after $(( $(date +%s) - started )) s (results in $OUT)"

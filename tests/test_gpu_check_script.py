@@ -247,3 +247,38 @@ def test_an_old_driver_or_none_is_named_and_an_index_overrides(tmp_path: Path) -
     assert none.returncode == 1 and "no CUDA version from nvidia-smi" in none.stderr
     chosen = _torch_cuda("12.4", SKRULL_TORCH_INDEX="https://example.invalid/whl/cu124")
     assert chosen.stdout.splitlines() == ["torch==2.13.0", "--index-url", "https://example.invalid/whl/cu124"]
+
+
+TINY_SPEED = ("model.dtype=fp32 model.hidden_size=64 model.num_layers=2 model.num_attention_heads=4 "
+              "model.num_key_value_heads=2 model.kv_hidden_size=32 model.intermediate_size=128 "
+              "model.vocab_size=1024 model.num_params=0 data.tokenizer=configs/bench/synth-bpe-773.json "
+              "data.length_scale=0.05 scheduling.global_batch_size=8 scheduling.bucket_size=1024")
+"""CPU-sized overrides of the speed stage's bench step (the 0.5B shape's --set list comes first)."""
+
+
+def test_the_speed_stage_runs_its_bench_step_matrix_on_cpu(tmp_path: Path) -> None:
+    """gpu_check.sh speed with the CUDA checks skipped: its `bench step` part (the 0.5B command line with
+    TINY_SPEED after it, two of the matrix's variants, one counted step) runs, and speed.json holds its
+    JSON and the part's status. The other parts (train: the test above; profile, peer, the CUDA tests)
+    are commands of their own, tested where they live."""
+    env = _environ(OUT=str(tmp_path / "out"), PYTHON=sys.executable, SKRULL_GPU_CHECK_FAKE_CUDA="1",
+                   SKRULL_GPU_CHECK_SPEED_PARTS="step", SKRULL_GPU_CHECK_SPEED_STEPS="1",
+                   SKRULL_GPU_CHECK_SPEED_SET=TINY_SPEED,
+                   SKRULL_GPU_CHECK_SPEED_VARIANTS=(
+                       "today:train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch "
+                       "device_step:train.optimizer_impl=fused,train.overlap_comm=auto"))
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "speed"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    command = next(line for line in result.stdout.splitlines() if line.startswith("== "))
+    assert " -m app bench step --config configs/qwen2.5-0.5b-gpu.yaml " in command
+    assert "--set model.hidden_size=896" in command and "--set scheduling.bucket_size=16384" in command
+    speed = json.loads((tmp_path / "out" / "speed.json").read_text())
+    assert speed["parts"]["step"]["exit"] == 0 and set(speed["parts"]) == {"step"}
+    step = speed["bench_step"]
+    assert set(step["variants"]) == {"today", "device_step"}
+    assert step["variants"]["device_step"]["optimizer"] == "fused AdamW, device step"
+    assert step["variants"]["today"]["optimizer"] == "foreach AdamW, DeepSpeed step"
+    assert step["speedup_vs_first"]["today"] == 1.0
+    losses = [step["variants"][name]["losses"] for name in ("today", "device_step")]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)  # the same global batches, the same math

@@ -69,7 +69,10 @@ def variant_configs(config_path: str | None, sets: list[str], variants: list[Var
     configs = []
     for variant in chosen:
         overrides = [*sets, *device_set, *variant.overrides, *SINGLE_DEVICE]
-        config, _ = resolve_bucket_size(load_config(config_path, overrides))
+        try:
+            config, _ = resolve_bucket_size(load_config(config_path, overrides))
+        except ConfigError as err:
+            raise ConfigError(f"--variant {variant.name}: {err}") from None
         configs.append((variant.name, config))
     return configs
 

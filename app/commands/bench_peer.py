@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trl-micro-batch", type=int, default=8,
                         help="TRL's per_device_train_batch_size in sequences; gradient accumulation makes up "
                              "the global batch (default 8)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: both sides on GPUs in bf16 (model.dtype=bf16, resources.gpus_per_worker="
+                             "1), TRL with the best attention transformers finds (flash_attention_2, else "
+                             "flash_attention_4, else sdpa) and Liger's kernels when liger-kernel is "
+                             "installed")
 
 
 def check_arguments(args: argparse.Namespace, config: SkrullConfig) -> None:
@@ -72,7 +77,20 @@ def check_arguments(args: argparse.Namespace, config: SkrullConfig) -> None:
     step_batches(config, args.steps)  # the config knobs and enough rows for every step
 
 
+TRL_SETUP = ("trl", "transformers", "processes", "torch_threads", "micro_batch",
+             "gradient_accumulation_steps", "attention", "padding_free", "device", "dtype", "liger")
+"""What the summary says TRL ran with (its JSON's keys)."""
+CUDA_SETS = ("model.dtype=bf16", "resources.gpus_per_worker=1")
+"""What --device cuda sets on both sides (a config for CPU stays one for CPU otherwise)."""
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("bench peer --device cuda: no CUDA device is visible to torch")
+        args.overrides = [*args.overrides, *CUDA_SETS]
     config = config_from_args(args)
     check_arguments(args, config)
     stamp = f"{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
@@ -82,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = []
     for index in range(1, args.rounds + 1):
         trl = _side(args, out_dir, f"trl-{index}", "app.bench.peer.trl_side",
-                    ["--micro-batch", str(args.trl_micro_batch)])
+                    ["--micro-batch", str(args.trl_micro_batch), "--device", args.device])
         ours = _side(args, out_dir, f"ours-{index}", "app.bench.peer.our_side",
                      ["--policies", ",".join(POLICIES)])
         rounds.append({"trl": trl, "ours": ours})
@@ -132,9 +150,7 @@ def summarize(rounds: list[dict[str, Any]], *, wall_s: float, machine: dict[str,
         "sides": sides,
         "steps": len([s for s in trl["per_step"] if not s["warmup"]]), "rounds": len(rounds),
         "global_batch_size": len(trl["per_step"][0]["sample_ids"]),
-        "trl_setup": {key: trl[key] for key in ("trl", "transformers", "processes", "torch_threads",
-                                                 "micro_batch", "gradient_accumulation_steps", "attention",
-                                                 "padding_free")},
+        "trl_setup": {key: trl.get(key) for key in TRL_SETUP},
         "our_setup": {key: ours[key] for key in ("processes", "dp_size", "cp_size", "bucket_size",
                                                  "torch_threads", "attention_backend")},
         "same_samples": _same(steps, "sample_ids"), "same_tokens": _same(steps, "tokens") and all(
@@ -210,7 +226,8 @@ def format_report(summary: dict[str, Any]) -> str:
         "per step",
         f"TRL {trl['trl']} (transformers {trl['transformers']}): {trl['processes']} process, "
         f"{trl['torch_threads']} torch threads, padding-free micro-batches of {trl['micro_batch']} sequences "
-        f"x {trl['gradient_accumulation_steps']} accumulation steps, attention {trl['attention']}",
+        f"x {trl['gradient_accumulation_steps']} accumulation steps, attention {trl['attention']}, "
+        f"{trl.get('dtype')} on {trl.get('device')}, Liger {'on' if trl.get('liger') else 'off'}",
         f"this project: {ours['processes']} Ray Train workers (DP {ours['dp_size']} x CP {ours['cp_size']}), "
         f"{ours['torch_threads']} torch thread(s) each, BucketSize {ours['bucket_size']}, "
         f"attention: {ours['attention_backend']}",

@@ -78,6 +78,7 @@ def preflight(config: SkrullConfig) -> ResolvedData:
     check_wandb(config.train.wandb_project)
     check_model_source(config.model)
     check_eval_every(config)
+    check_kernels(config)
     data = resolve_data(config.data, max_length=config.max_sequence_length)
     check_model_support(config, data.tokenizer)  # app/model/support.py
     load_hardware_profile(config.hardware.profile)
@@ -95,6 +96,16 @@ def check_no_credentials_in_uris(config: SkrullConfig) -> None:
         raise ConfigError(f"train.mlflow_uri={redact_uri(config.train.mlflow_uri)!r} carries credentials "
                           "(user:password@): remove them and set MLFLOW_TRACKING_USERNAME / "
                           "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment")
+
+
+def check_kernels(config: SkrullConfig) -> None:
+    """model.kernels=liger needs liger-kernel where the workers run (found here: one image for driver and
+    workers is the cluster recipe's, docs/gpu-cluster.md); a CPU run is refused by the config itself."""
+    from workers.kernels import kernels_problem
+
+    problem = kernels_problem(config.model.kernels, on_gpu=config.resources.gpus_per_worker > 0)
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_eval_every(config: SkrullConfig) -> None:

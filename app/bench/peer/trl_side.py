@@ -46,7 +46,29 @@ from app.config import ConfigError, SkrullConfig, load_config
 from scheduling.payload import IGNORE_INDEX
 
 ATTENTION = "sdpa"
-"""transformers' attention for the TRL model: its default on CPU (no flash-attn kernel runs there)."""
+"""transformers' attention for the TRL model on CPU (no flash kernel runs there)."""
+
+
+def trl_attention(device: str) -> str:
+    """The best attention transformers gives TRL on `device`: flash_attention_2 when flash-attn imports,
+    else flash_attention_4 when flash-attn-4 does, else sdpa (PyTorch's own, flash-backed on CUDA)."""
+    if device != "cuda":
+        return ATTENTION
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_4_available
+
+    if is_flash_attn_2_available():
+        return "flash_attention_2"
+    try:
+        fa4 = is_flash_attn_4_available(kernels_fallback_ok=False)
+    except TypeError:  # transformers without the keyword
+        fa4 = is_flash_attn_4_available()
+    return "flash_attention_4" if fa4 else ATTENTION
+
+
+def liger_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("liger_kernel") is not None
 
 
 def check_micro_batch(micro_batch: int, global_batch_size: int) -> None:
@@ -64,8 +86,8 @@ def trl_columns(batches: list[StepBatch]) -> dict[str, list[list[int]]]:
             "assistant_masks": [[int(label != IGNORE_INDEX) for label in row.labels] for row in rows]}
 
 
-def trl_args(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path) -> Any:
-    """SFTConfig of the TRL side (module docstring)."""
+def trl_args(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path, device: str = "cpu") -> Any:
+    """SFTConfig of the TRL side (module docstring); on CUDA in bf16, with Liger when it is installed."""
     from trl import SFTConfig
 
     size, train = config.scheduling.global_batch_size, config.train
@@ -77,7 +99,8 @@ def trl_args(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path) 
         learning_rate=train.lr, lr_scheduler_type="constant", optim="adamw_torch",
         adam_beta1=train.adam_betas[0], adam_beta2=train.adam_betas[1], adam_epsilon=train.adam_eps,
         weight_decay=train.weight_decay, max_grad_norm=train.grad_clip,
-        bf16=False, fp16=False, use_cpu=True,
+        bf16=device == "cuda", fp16=False, use_cpu=device != "cuda",
+        use_liger_kernel=device == "cuda" and liger_installed(),
         seed=train.seed, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, dataloader_pin_memory=False,
         **{_checkpointing_field(SFTConfig): train.activation_checkpointing},
@@ -94,7 +117,7 @@ def _checkpointing_field(args_class: type) -> str:
 
 
 def build_trainer(config: SkrullConfig, batches: list[StepBatch], micro_batch: int, out_dir: Path,
-                  callbacks: tuple[Any, ...] = ()) -> Any:
+                  callbacks: tuple[Any, ...] = (), device: str = "cpu") -> Any:
     """SFTTrainer over `batches` with the run's model (same weights as the workers') and tokenizer."""
     from datasets import Dataset
     from trl import SFTTrainer
@@ -102,9 +125,9 @@ def build_trainer(config: SkrullConfig, batches: list[StepBatch], micro_batch: i
     from app.model.export_tokenizer import hf_tokenizer
     from app.model.spec import model_spec
 
-    args = trl_args(config, len(batches), micro_batch, out_dir)
+    args = trl_args(config, len(batches), micro_batch, out_dir, device)
     spec = model_spec(config.model, config.train, tokenizer=config.data.tokenizer)
-    model = spec.build(attn_implementation=ATTENTION)
+    model = spec.build(attn_implementation=trl_attention(device))
     model.train()
     return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict(trl_columns(batches)),
                       # pre-tokenized rows: TRL needs the tokenizer for its pad token only, no chat template
@@ -127,6 +150,10 @@ def step_clock() -> Any:
             self.began = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # the step's end on the device, not its last launch
             self.ends.append((time.perf_counter(), time.process_time()))
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
@@ -138,8 +165,9 @@ def step_clock() -> Any:
     return StepClock()
 
 
-def run_trl(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path) -> dict[str, Any]:
-    """Train WARMUP_STEPS + `steps` global batches with TRL; every step's time, loss and batch."""
+def run_trl(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path,
+            device: str = "cpu") -> dict[str, Any]:
+    """Train WARMUP_STEPS + `steps` global batches with TRL on `device`; every step's time, loss, batch."""
     import torch
     import transformers
     import trl
@@ -148,7 +176,7 @@ def run_trl(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path) -
     torch.set_num_threads(os.cpu_count() or 1)
     batches = step_batches(config, steps)
     clock = step_clock()
-    trainer = build_trainer(config, batches, micro_batch, out_dir, callbacks=(clock,))
+    trainer = build_trainer(config, batches, micro_batch, out_dir, callbacks=(clock,), device=device)
     trainer.train()
     if len(clock.ends) != len(batches):
         raise RuntimeError(f"TRL ran {len(clock.ends)} optimizer steps of {len(batches)}")
@@ -159,6 +187,8 @@ def run_trl(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path) -
         "torch_threads": torch.get_num_threads(), "processes": 1, "micro_batch": micro_batch,
         "gradient_accumulation_steps": config.scheduling.global_batch_size // micro_batch,
         "attention": trainer.model.config._attn_implementation, "padding_free": trainer.padding_free,
+        "device": device, "dtype": str(next(trainer.model.parameters()).dtype).replace("torch.", ""),
+        "liger": bool(trainer.args.use_liger_kernel),
         "wall_s": time.perf_counter() - started,
         "per_step": [{
             "step": b.step, "warmup": b.step <= WARMUP_STEPS, "step_s": end[0] - before[0],
@@ -178,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True, help="counted steps, after the warm-up")
     parser.add_argument("--micro-batch", type=int, required=True, help="sequences per micro-batch")
     parser.add_argument("--out", required=True, help="write the JSON result here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
     config = load_config(args.config, args.overrides)
     out = Path(args.out)
-    result = run_trl(config, args.steps, args.micro_batch, out.parent / f"{out.stem}-trainer")
+    result = run_trl(config, args.steps, args.micro_batch, out.parent / f"{out.stem}-trainer", args.device)
     out.write_text(json.dumps(result) + "\n")
     return 0
 

@@ -1,0 +1,53 @@
+"""`python -m app bench step` (app/bench/step.py, workers/tools/step_bench.py) on the tiny CPU config: its
+--json line has the fields the command promises, the variants train the same global batches (equal losses
+where the math is equal), a variant that changes BucketSize plans its own micro-batches, and --trace writes
+a Chrome trace per variant with the top ops by self time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.bench.step import parse_variant
+from app.config import ConfigError
+
+TINY = ["--config", "configs/tiny-cpu.yaml", "--set", "data.tokenizer=configs/bench/synth-bpe-773.json",
+        "--set", "data.length_scale=0.1", "--set", "scheduling.global_batch_size=8"]
+
+
+def test_a_variant_is_a_name_and_overrides() -> None:
+    variant = parse_variant("fast:train.optimizer_impl=fused,train.adam_betas=[0.9,0.99],model.kernels=torch")
+    assert variant.name == "fast"
+    assert variant.overrides == ("train.optimizer_impl=fused", "train.adam_betas=[0.9,0.99]",
+                                 "model.kernels=torch")
+    for bad in ("fast", "fast:", ":train.compile=true", "fast:train.compile"):
+        with pytest.raises(ConfigError, match="--variant"):
+            parse_variant(bad)
+
+
+def test_bench_step_json_on_the_tiny_config(tmp_path: Path, capsys) -> None:
+    from app.__main__ import main
+
+    code = main(["bench", "step", *TINY, "--variant", "today:train.optimizer_impl=foreach",
+                 "--variant", "fused:train.optimizer_impl=fused,scheduling.bucket_size=256",
+                 "--steps", "2", "--trace", str(tmp_path / "trace"), "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["device"].endswith("threads") and result["steps"] == 2 and result["warmup_steps"] == 1
+    assert set(result["variants"]) == set(result["speedup_vs_first"]) == {"today", "fused"}
+    assert result["speedup_vs_first"]["today"] == 1.0 and result["speedup_vs_first"]["fused"] > 0
+    for name, variant in result["variants"].items():
+        for key in ("tokens_per_s", "mfu", "micro_batch_s", "optimizer_s", "gap_s", "predicted_peak_bytes"):
+            assert variant[key] > 0 or (key == "gap_s" and variant[key] >= 0), (name, key)
+        assert variant["peak_bytes"] is None  # no device allocator on CPU
+        assert len(variant["losses"]) == 3 and all(variant["applied"])
+        assert (tmp_path / "trace" / f"{name}.json").stat().st_size > 0
+        assert len(variant["top_ops"]) == 15 and variant["top_ops"][0]["self_ms"] > 0
+    today, fused = result["variants"]["today"], result["variants"]["fused"]
+    assert today["bucket_size"] == 1024 and fused["bucket_size"] == 256
+    assert fused["micro_batches"] > today["micro_batches"]  # a smaller C: more micro-batches, same rows
+    # The same global batches from the same weights: micro-batching and the optimizer's implementation change
+    # the order of sums, not the math (fp32).
+    assert fused["losses"] == pytest.approx(today["losses"], rel=1e-5)

@@ -1,0 +1,152 @@
+"""model.kernels (workers/kernels): which set a worker runs, and the liger set's wiring.
+
+liger-kernel's Triton kernels run on CUDA only. On CPU a stand-in package named `liger_kernel` provides the
+public functions the liger set calls (liger_kernel.transformers.functional: liger_rms_norm, liger_swiglu,
+liger_fused_linear_cross_entropy; liger_kernel.transformers.rope: liger_rotary_pos_emb), each computing
+what liger documents it computes, in plain torch. What this checks is our side: every RMSNorm and gated MLP
+of the decoder runs liger's function, RoPE is installed in the model family's modeling module (and restored
+by the torch set), the loss head calls the fused linear cross-entropy over the label rows only with the sum
+reduction and fp32 accumulation, and with all of that the loss and gradients equal the torch set's within
+fp32 rounding. The kernels' own numerics against transformers' modules are checked on a GPU
+(tests/test_kernels_cuda.py, `gpu_check.sh kernels` and `speed`).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from workers.kernels import kernel_set, kernels_problem, resolve_kernels
+
+SPEC = {"name_or_path": "tiny-qwen2", "vocab_size": 96, "hidden_size": 32, "num_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "seed": 3}
+
+
+def _standin() -> tuple[types.ModuleType, dict[str, list]]:
+    """A `liger_kernel` package of liger's public functions in plain torch; records each call."""
+    calls: dict[str, list] = {"rms_norm": [], "swiglu": [], "flce": [], "rope": []}
+
+    def liger_rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
+        calls["rms_norm"].append(casting_mode)
+        x = X.float()
+        return (offset + W) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(X.dtype)
+
+    def liger_swiglu(a, b):
+        calls["swiglu"].append(a.shape)
+        return torch.nn.functional.silu(a) * b
+
+    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight=None, ignore_index=-100,
+                                         lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
+                                         softcap=None, return_z_loss=False, accum_dtype=None,
+                                         use_token_scaling=False, return_token_accuracy=False,
+                                         return_predicted_tokens=False, chunk_mem_const=1):
+        calls["flce"].append({"rows": input.shape[0], "reduction": reduction, "accum_dtype": accum_dtype,
+                              "ignored": int((target == ignore_index).sum()), "mem_const": chunk_mem_const})
+        logits = torch.nn.functional.linear(input, weight, bias).float()
+        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
+                                                 reduction=reduction)
+
+    def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        calls["rope"].append(q.shape)
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+        def rotate_half(x):
+            half = x.shape[-1] // 2
+            return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    package = types.ModuleType("liger_kernel")
+    transformers_module = types.ModuleType("liger_kernel.transformers")
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    rope = types.ModuleType("liger_kernel.transformers.rope")
+    functional.liger_rms_norm = liger_rms_norm
+    functional.liger_swiglu = liger_swiglu
+    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    rope.liger_rotary_pos_emb = liger_rotary_pos_emb
+    transformers_module.functional, transformers_module.rope = functional, rope
+    package.transformers = transformers_module
+    modules = {"liger_kernel": package, "liger_kernel.transformers": transformers_module,
+               "liger_kernel.transformers.functional": functional, "liger_kernel.transformers.rope": rope}
+    return modules, calls
+
+
+@pytest.fixture
+def liger(monkeypatch):
+    modules, calls = _standin()
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    yield calls
+    from workers.models import build_model
+
+    kernel_set("torch").activate(build_model(**SPEC))  # transformers' own RoPE back for later tests
+
+
+def _loss_and_grads(model) -> tuple[float, list[torch.Tensor]]:
+    from scheduling import DacpPlan
+    from scheduling.payload import IGNORE_INDEX
+    from workers.batch import build_rank_batch
+    from workers.forward import micro_batch_loss_sum
+
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(1, 96, size=n) for n in (23, 9, 40)]
+    labels = [i.copy() for i in ids]
+    for lab in labels:
+        lab[: len(lab) // 2] = IGNORE_INDEX
+    batch = build_rank_batch(DacpPlan(local=((0, 1, 2),), distributed=()), ids, labels, cp_rank=0, cp_size=1)
+    model.zero_grad(set_to_none=True)
+    loss = micro_batch_loss_sum(model, batch, loss_chunk_tokens=16)
+    loss.backward()
+    return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_liger_set_routes_every_norm_mlp_rope_and_the_loss_through_liger(liger) -> None:
+    from workers.models import build_model
+
+    reference = build_model(**SPEC)
+    kernel_set("torch").apply(reference)
+    kernel_set("torch").activate(reference)
+    ref_loss, ref_grads = _loss_and_grads(reference)
+
+    model = build_model(**SPEC)
+    kernel_set("liger").apply(model)
+    kernel_set("liger").activate(model)
+    loss, grads = _loss_and_grads(model)
+
+    layers = 2
+    assert len(liger["rms_norm"]) == 2 * layers + 1  # two per layer and the final norm
+    assert set(liger["rms_norm"]) == {"llama"}
+    assert len(liger["swiglu"]) == layers and len(liger["rope"]) == layers
+    (flce,) = liger["flce"]
+    label_rows = sum(n - n // 2 for n in (23, 9, 40))  # targets = labels[1:]: the prompt's first token drops
+    assert flce["rows"] == label_rows and flce["ignored"] == 0  # only rows with a target reach it
+    assert flce["reduction"] == "sum" and flce["accum_dtype"] == torch.float32
+    # chunk_mem_const sizes liger's chunk near train.loss_chunk_tokens (16 rows here): 96 / (32 k) chunks
+    assert flce["mem_const"] == int(np.ceil(96 / (32 * np.ceil(label_rows / 16))))
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for ours, ref in zip(grads, ref_grads, strict=True):
+        assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-8
+
+
+def test_which_set_a_worker_runs() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kernels("auto", cpu, "qwen2") == "torch"
+    assert resolve_kernels("torch", cuda, "qwen2") == "torch"
+    with pytest.raises(ValueError, match="model.kernels=liger runs liger-kernel's Triton kernels"):
+        resolve_kernels("liger", cpu, "qwen2")
+    assert kernels_problem("liger", on_gpu=True, available=False).startswith(
+        "model.kernels=liger needs liger-kernel, which is not installed")
+    assert kernels_problem("auto", on_gpu=False) is None
+
+
+def test_liger_on_cpu_workers_is_a_config_error() -> None:
+    from app.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="model.kernels=liger"):
+        load_config(None, ["model.kernels=liger"])
+    assert load_config(None, ["model.kernels=liger", "resources.gpus_per_worker=1",
+                              "model.dtype=bf16"]).model.kernels == "liger"

@@ -1,0 +1,109 @@
+"""On a CUDA device: liger's kernels against transformers' own modules, and a training step that never makes
+the host wait (torch.cuda.set_sync_debug_mode). Skipped without CUDA (run by `gpu_check.sh kernels` and
+`gpu_check.sh speed`).
+
+The reference for liger is the torch kernel set (transformers' RMSNorm, SwiGLU MLP and RoPE, our chunked
+linear cross-entropy) on the same bf16 model and batch: bf16 rounds each kernel's intermediate differently,
+so the loss must agree within 1% and every gradient within 5% of its scale (a wrong kernel or a wrong
+wiring is off by far more: a missing norm weight, a swapped gate, a RoPE on the wrong positions all move
+the loss by tens of percent on random weights).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_liger = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None,
+                                 reason="needs liger-kernel")
+SPEC = {"name_or_path": "tiny-qwen2", "vocab_size": 4096, "hidden_size": 256, "num_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512, "seed": 3,
+        "dtype": "bf16"}
+
+
+def _batch(device):
+    from scheduling import DacpPlan
+    from scheduling.payload import IGNORE_INDEX
+    from workers.batch import build_rank_batch
+
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(1, 4096, size=n) for n in (300, 77, 1024)]
+    labels = [i.copy() for i in ids]
+    for lab in labels:
+        lab[: len(lab) // 3] = IGNORE_INDEX
+    plan = DacpPlan(local=((0, 1, 2),), distributed=())
+    return build_rank_batch(plan, ids, labels, cp_rank=0, cp_size=1).to(device)
+
+
+def _loss_and_grads(kernels: str):
+    from workers.forward import micro_batch_loss_sum
+    from workers.models import ModelSpec
+
+    device = torch.device("cuda")
+    model = ModelSpec(**SPEC, kernels=kernels).build_on(device)
+    loss = micro_batch_loss_sum(model, _batch(device), loss_chunk_tokens=512)
+    loss.backward()
+    return float(loss.detach()), [p.grad.float() for p in model.parameters()], model.skrull_kernels
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_liger
+def test_liger_kernels_match_transformers_modules_on_cuda() -> None:
+    ref_loss, ref_grads, ref_name = _loss_and_grads("torch")
+    loss, grads, name = _loss_and_grads("liger")
+    assert (ref_name, name) == ("torch", "liger")
+    assert abs(loss - ref_loss) <= 1e-2 * abs(ref_loss), (loss, ref_loss)
+    for ours, ref in zip(grads, ref_grads, strict=True):
+        assert (ours - ref).abs().max() <= 5e-2 * ref.abs().max() + 1e-6
+
+
+def _sync_free_steps(rank: int, world: int) -> list[str]:
+    """Three steps of the device step on CUDA with sync debug mode "error" (a sync raises)."""
+    from app.config import load_config
+    from app.model.deepspeed_config import deepspeed_config
+    from scheduling import CostModel, plan_step
+    from scheduling.payload import Cursor, Sample, build_rank_payloads
+    from workers.distributed import ParallelGroups
+    from workers.engine import build_engine
+    from workers.models import ModelSpec
+    from workers.step import run_step
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    device = torch.device("cuda", 0)
+    ds = deepspeed_config(load_config(None, []).train, dtype="bf16", on_gpu=True)
+    groups = ParallelGroups.create(1, device=device)
+    engine = build_engine(ModelSpec(**SPEC, kernels="torch"), ds, device, seed=0)
+    rng = np.random.default_rng(1)
+    lengths = [300, 77, 1024, 40]
+    samples = [Sample(sample_id=i, input_ids=rng.integers(1, 4096, n), labels=rng.integers(1, 4096, n))
+               for i, n in enumerate(lengths)]
+    cost = CostModel.from_model_dims(hidden_size=256, kv_hidden_size=128, num_layers=2)
+    plan = plan_step("skrull", lengths, dp_size=1, cp_size=1, bucket_size=800, cost=cost)
+    payload = build_rank_payloads(plan, samples, step=1, epoch=0, cursor=Cursor(epoch=0, rows=4),
+                                  plan_ms=0.0)[0, 0]
+    run_step(engine, payload, groups, device=device, loss_chunk_tokens=512, sync=True)  # lazy inits
+    errors = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            run_step(engine, payload, groups, device=device, loss_chunk_tokens=512)
+    except RuntimeError as err:
+        errors.append(str(err).splitlines()[0])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return errors
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_training_step_never_synchronizes_on_cuda() -> None:
+    from workers.tools.launch import run_workers
+
+    (errors,) = run_workers(_sync_free_steps, 1, backend="nccl")
+    assert errors == []
