@@ -59,6 +59,11 @@ if [ "${SKRULL_INSTALLER:-uv}" = uv ] && "$VPY" -m pip install -q uv \
 else
   "$VPY" -m pip install -q -e ".[$EXTRAS]"
 fi
+if command -v nvidia-smi >/dev/null 2>&1; then
+  # liger-kernel (model.kernels=auto|liger: fused RMSNorm, SwiGLU, RoPE, linear cross-entropy): a pure-Python
+  # wheel on the Triton that CUDA torch ships; the `gpu` extra has it too, beside flash-attn's source build.
+  "$VPY" -m pip install -q "liger-kernel>=0.8.5"
+fi
 if [ "${SKRULL_FLASH_ATTN:-0}" = 1 ]; then
   "$VPY" -m pip install -q ninja packaging
   MAX_JOBS=${MAX_JOBS:-4} "$VPY" -m pip install --no-build-isolation "flash-attn>=2.7,<2.9"

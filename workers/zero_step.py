@@ -156,5 +156,9 @@ def place_step_counters(engine: Any) -> None:
         for param in group["params"]:
             state = inner.state.get(param, {})
             step = state.get("step")
-            if torch.is_tensor(step) and (step.device != param.device or step.dtype != torch.float32):
+            if step is None:
+                continue
+            if not torch.is_tensor(step):  # a number, as a checkpoint may hold it
+                state["step"] = torch.tensor(float(step), dtype=torch.float32, device=param.device)
+            elif step.device != param.device or step.dtype != torch.float32:
                 state["step"] = step.to(device=param.device, dtype=torch.float32)

@@ -1,0 +1,130 @@
+"""train.optimizer_impl=fused resumes on another world size through a universal checkpoint.
+
+torch's fused AdamW keeps its `step` counters as fp32 tensors on the parameters' device; DeepSpeed's
+universal-checkpoint loader puts back whatever ds_to_universal saved (workers/zero_step.py
+`place_step_counters` moves them where fused needs them, after every load). Here, on CPU (gloo): two ranks
+train step 1 with fused AdamW under the device step, save a DeepSpeed checkpoint and go on to step 2; the
+checkpoint is converted to universal (workers/checkpoints.py, DeepSpeed's converter) and one rank loads it
+into a fused engine and trains the same step 2. Its loss and gradient norm must equal the uninterrupted
+run's (fp32, 1e-5 relative: the same global batch, split over 1 instead of 2 ranks), and its Adam step
+counter must read 2 afterwards (1 restored + 1). On CPU the counters come back as CPU fp32 tensors beside
+CPU parameters, which is what fused wants there: this run proves the fused path end to end, and the
+second test moves counters restored on another device than their parameters (a GPU run's case).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from scheduling import CostModel, plan_step
+from scheduling.payload import IGNORE_INDEX, Cursor, Sample, build_rank_payloads
+
+VOCAB = 96
+SPEC = {"name_or_path": "tiny-qwen2", "vocab_size": VOCAB, "hidden_size": 32, "num_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "seed": 1}
+LENGTHS = ([12, 30, 7, 20], [25, 9, 16, 11])
+
+
+def _payloads(step: int, dp_size: int) -> dict:
+    rng = np.random.default_rng(step)
+    samples = []
+    for i, n in enumerate(LENGTHS[step - 1]):
+        ids = rng.integers(1, VOCAB, size=n)
+        labels = ids.copy()
+        labels[: n // 4] = IGNORE_INDEX
+        samples.append(Sample(sample_id=i, input_ids=ids, labels=labels))
+    cost = CostModel.from_model_dims(hidden_size=32, kv_hidden_size=16, num_layers=2)
+    plan = plan_step("skrull", LENGTHS[step - 1], dp_size=dp_size, cp_size=1, bucket_size=64, cost=cost)
+    return build_rank_payloads(plan, samples, step=step, epoch=0, cursor=Cursor(epoch=0, rows=4 * step),
+                               plan_ms=0.0)
+
+
+def _engine(ds_extra: dict | None = None):
+    from app.config import load_config
+    from app.model.deepspeed_config import deepspeed_config
+    from workers.engine import build_engine
+    from workers.models import ModelSpec
+
+    ds = deepspeed_config(load_config(None, ["train.optimizer_impl=fused", "train.lr=0.01"]).train,
+                          dtype="fp32", on_gpu=False)
+    return build_engine(ModelSpec(**SPEC), {**ds, **(ds_extra or {})}, torch.device("cpu"), seed=0)
+
+
+def _step(engine, payloads: dict, groups) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    from workers.step import run_step
+
+    payload = payloads[groups.dp_rank, 0]
+    stats = run_step(engine, payload, groups, device=torch.device("cpu"), loss_chunk_tokens=16)
+    loss = stats.loss_sum.clone()
+    dist.all_reduce(loss)
+    return float(loss) / payload.global_label_tokens, float(engine.get_global_grad_norm())
+
+
+def _train_and_save(rank: int, world: int, out: str) -> tuple[float, float]:
+    from workers.distributed import ParallelGroups
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    groups = ParallelGroups.create(1)
+    engine = _engine()
+    _step(engine, _payloads(1, world), groups)
+    engine.save_checkpoint(out, tag="step1")
+    return _step(engine, _payloads(2, world), groups)
+
+
+def _resume(rank: int, world: int, universal: str) -> dict:
+    from workers.distributed import ParallelGroups
+    from workers.zero_step import place_step_counters
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    groups = ParallelGroups.create(1)
+    engine = _engine({"checkpoint": {"load_universal": True}})
+    engine.load_checkpoint(universal, tag="step1_universal")
+    place_step_counters(engine)
+    loss, norm = _step(engine, _payloads(2, world), groups)
+    steps = [state["step"] for state in engine.optimizer.optimizer.state.values()]
+    return {"loss": loss, "norm": norm, "steps": [float(s) for s in steps],
+            "step_types": sorted({f"{s.dtype}@{s.device}" if torch.is_tensor(s) else type(s).__name__
+                                  for s in steps})}
+
+
+def test_a_fused_run_resumes_on_another_world_size_from_a_universal_checkpoint(tmp_path: Path) -> None:
+    from workers.checkpoints import CheckpointState, converting_to_universal
+    from workers.tools.launch import run_workers
+
+    saved = tmp_path / "ckpt"
+    (uninterrupted, _) = run_workers(_train_and_save, 2, args=(str(saved),), backend="gloo")
+    state = CheckpointState(step=1, epoch=0, rows=4, tag="step1", world_size=2, dp_size=2, cp_size=1)
+    with converting_to_universal(saved, state, tmp_path / "universal"):
+        pass
+    (resumed,) = run_workers(_resume, 1, args=(str(tmp_path / "universal"),), backend="gloo")
+    loss, norm = uninterrupted
+    assert abs(resumed["loss"] - loss) <= 1e-5 * abs(loss) and abs(resumed["norm"] - norm) <= 1e-5 * norm
+    assert resumed["steps"] and set(resumed["steps"]) == {2.0}, resumed["steps"]
+    assert resumed["step_types"] == ["torch.float32@cpu"]
+
+
+def test_step_counters_move_to_their_parameters_device() -> None:
+    """place_step_counters on a stand-in for a GPU run: parameters on another device (meta) than the
+    restored counters (a CPU float64 tensor and a plain number, as checkpoints hold them); only fused
+    groups' counters move."""
+    from types import SimpleNamespace
+
+    from workers.zero_step import place_step_counters
+
+    params = [torch.nn.Parameter(torch.empty(4, device="meta")) for _ in range(3)]
+    fused = torch.optim.AdamW(params[:2], lr=0.1)
+    fused.param_groups[0]["fused"] = True  # torch refuses fused=True on meta at construction
+    fused.add_param_group({"params": [params[2]], "fused": False})
+    fused.state[params[0]]["step"] = torch.tensor(3.0, dtype=torch.float64)
+    fused.state[params[1]]["step"] = 3
+    fused.state[params[2]]["step"] = torch.tensor(3.0)
+    place_step_counters(SimpleNamespace(optimizer=SimpleNamespace(optimizer=fused)))
+    moved = [fused.state[p]["step"] for p in params[:2]]
+    assert all(s.device.type == "meta" and s.dtype == torch.float32 for s in moved)
+    assert fused.state[params[2]]["step"].device.type == "cpu"  # not a fused group: left as it is
