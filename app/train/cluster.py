@@ -42,7 +42,7 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True, training: boo
     else:
         from app.train.preflight import check_embedded_cpus
 
-        num_cpus = config.resources.num_cpus or (os.cpu_count() or 1) + 2
+        num_cpus = embedded_num_cpus(config)
         if training:
             check_embedded_cpus(config, num_cpus)
         start_local_ray(num_cpus, log_to_driver=worker_logs)
@@ -54,6 +54,11 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True, training: boo
         ray.shutdown()
         if previous is None:
             os.environ.pop("RAY_ADDRESS", None)
+
+
+def embedded_num_cpus(config: SkrullConfig) -> float:
+    """The logical CPUs of an embedded Ray: resources.num_cpus, or 0 = this machine's cores + 2."""
+    return config.resources.num_cpus or (os.cpu_count() or 1) + 2
 
 
 def start_local_ray(num_cpus: float, *, log_to_driver: bool) -> str:
