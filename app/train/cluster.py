@@ -69,9 +69,9 @@ def start_local_ray(num_cpus: float, *, log_to_driver: bool) -> str:
     resolves "the" cluster from RAY_ADDRESS, and without it picks the newest Ray on the machine, which may
     be someone's `ray start` cluster. The caller owns os.environ["RAY_ADDRESS"], set here for the driver.
 
-    Loopback only (README "Where Ray comes from"): Ray 2.60's servers (the GCS, raylet, object manager
-    and core worker gRPC servers, the dashboard and its agent, the runtime-env agent, the metrics
-    exporters) bind loopback when the node IP is a loopback address, and otherwise the node IP or the
+    Loopback only (docs/gpu-cluster.md, "Where Ray comes from"): Ray 2.60's servers (the GCS, raylet,
+    object manager and core worker gRPC servers, the dashboard and its agent, the runtime-env agent, the
+    metrics exporters) bind loopback when the node IP is a loopback address, and otherwise the node IP or the
     wildcard (measured: "::" for the gRPC servers), so the node IP must really be 127.0.0.1. ray.init
     turns `_node_ip_address="127.0.0.1"` into the machine's reachable address (ray/_private/services.py
     `resolve_ip_for_localhost`) unless Ray's ENABLE_RAY_CLUSTER is off, which Ray reads once, at import,
