@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("data", "data tools: `data synth` writes a synthetic chat dataset, `data preview` shows rows "
              "as training sees them (template, labels, length limit), `data prepare` tokenizes once"),
     "export": ("export", "a run's checkpoint as a Hugging Face model directory (LoRA: a peft adapter)"),
+    "config": ("config", "`config show`: the resolved config a run would use (defaults filled, auto values "
+               "resolved); `config reference`: every config key documented (docs/config.md)"),
     "report": ("report", "a finished or running run in one screen (loss, tokens/s, imbalance, planner lead, "
                "restarts, data) from its run directory; --plot, --json"),
 }

@@ -61,6 +61,8 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
+    """Where the run lives: <storage_path>/<name>/ holds its checkpoints, metrics and logs."""
+
     name: str = "skrull-run"
     """Run name: outputs go to <storage_path>/<name>/ (empty: a unique one); an existing run is resumed."""
     storage_path: str = "runs"
@@ -81,7 +83,7 @@ class RunConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LoraConfig:
-    """model.lora: low-rank adapters through peft (r = 0: off, every weight trains)."""
+    """Low-rank adapters through peft (r = 0: off, every weight trains)."""
 
     r: int = field(default=0, metadata=MATH)
     """Adapter rank; > 0 injects peft LoRA layers into target_modules, freezes every other weight, and makes
@@ -105,6 +107,8 @@ class LoraConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
+    """Which causal LM, its dtype and attention kernel, and its dimensions for the cost model."""
+
     name_or_path: str = field(default="tiny-qwen2", metadata=MATH)
     """HF hub name, local HF model directory, or a built-in tiny preset: tiny-qwen2 | tiny-llama."""
     random_init: bool = field(default=False, metadata=MATH)
@@ -147,6 +151,8 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
+    """Where the rows come from, their format, tokenizer and chat template, labels and length limit."""
+
     source: Literal["synthetic", "path", "hf", "prepared"] = field(default="synthetic", metadata=MATH)
     """synthetic (generated lengths / conversations) | path (a dataset on disk at data.path) | hf (a hub
     dataset id, or a dataset directory/script, at data.path, through `datasets.load_dataset`) | prepared
@@ -157,6 +163,8 @@ class DataConfig:
     jsonl may also be a filesystem URI (s3://bucket/data.parquet). With data.source=hf: a hub dataset id
     (HuggingFaceH4/ultrachat_200k) or a local dataset directory/script for `datasets.load_dataset`."""
     format: Literal["auto", "parquet", "jsonl", "hf"] = field(default="auto", metadata=MATH)
+    """data.source=path: how to read data.path; auto: hf for a `datasets` save_to_disk directory, else by
+    the files' suffix (.parquet, .jsonl)."""
     name: str = field(default="", metadata=MATH)
     """data.source=hf: the dataset's configuration name (`load_dataset(path, name=...)`); "" for none."""
     split: str = field(default="train", metadata=MATH)
@@ -239,6 +247,8 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
+    """The DP x CP layout of the Ray Train workers (fixed, or elastic between two sizes)."""
+
     num_workers: int | tuple[int, int] = 2
     """Ray Train workers = DP x CP ranks; [min, max] (both multiples of cp_size) makes the run elastic."""
     cp_size: int = 1
@@ -278,6 +288,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulingConfig:
+    """The policy that plans each global batch (skrull or a baseline), BucketSize, batch size."""
+
     policy: str = "skrull"
     """A policy of scheduling.POLICIES: skrull | static_cp | static_cp_packed | sorted | roundrobin | ..."""
     bucket_size: int | Literal["auto"] = 26000
@@ -344,12 +356,16 @@ class SchedulingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class HardwareConfig:
+    """Which cost-model profile the planner predicts step times with."""
+
     profile: str = "cpu"
     """Cost-model profile: a name under configs/hardware/ (h100, cpu) or a path to a YAML profile."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    """Optimizer and schedule, steps, precision and memory, checkpoints, logging, failure handling."""
+
     steps: int = 0
     """Optimizer steps to run; 0 (default): `epochs` passes over the data (`train` prints the count)."""
     epochs: int = 1
@@ -372,7 +388,9 @@ class TrainConfig:
     adam_eps: float = 1e-8
     """AdamW's epsilon."""
     grad_clip: float = field(default=1.0, metadata=MATH)
+    """Clip the global gradient norm to this before each update (DeepSpeed's gradient_clipping; 0: off)."""
     seed: int = field(default=0, metadata=MATH)
+    """Seed of the workers' torch generators (a random-init model's weights, LoRA's initial adapters)."""
     zero_stage: int = field(default=2, metadata=MATH)
     """DeepSpeed ZeRO stage: 2 partitions gradients and optimizer state over all DP x CP ranks, 3 the
     weights too (gathered per layer in its forward and backward: for models whose weights do not fit one
@@ -474,11 +492,16 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ResourcesConfig:
+    """Ray CPU/GPU reservations, so Ray Data, the planner and the workers never starve."""
+
     num_cpus: float = 0
     """Logical CPUs for an embedded local Ray (0: cores + 2, so Ray Data's listing task always fits)."""
     cpus_per_worker: float = 0.5
+    """CPUs each Ray Train worker reserves."""
     gpus_per_worker: float = 0
+    """GPUs each Ray Train worker reserves (0: CPU workers; a GPU run needs model.dtype=bf16)."""
     planner_cpus: float = 0
+    """CPUs the planner actor reserves (0: it mostly waits, and a reservation must not starve the workers)."""
     data_cpus: float = 0.5
     """CPUs per Ray Data tokenizer actor."""
     worker_resources: dict[str, float] = field(default_factory=dict)
@@ -497,6 +520,8 @@ class ResourcesConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PlanConfig:
+    """The dry-run `plan` command."""
+
     num_batches: int = 20
     """Global batches the dry-run `plan` command samples and plans with every policy."""
 

@@ -37,7 +37,7 @@
 # Without CUDA it fails at once, saying so.
 # The python of every stage but install: [python], else $PYTHON, else the active python3 when it has torch,
 # Ray and DeepSpeed, else ./.venv's (where install puts them), else python3. Its packages may come from
-# PYTHONPATH (a `pip install --target DIR` of an offline wheel directory: README "On a GPU cluster").
+# PYTHONPATH (a `pip install --target DIR` of an offline wheel directory: docs/gpu-cluster.md "Offline install").
 # For tests only: SKRULL_GPU_CHECK_FAKE_CUDA=1 skips the CUDA checks, and SKRULL_GPU_CHECK_TRAIN_SET="k=v ..."
 # appends --set overrides to train's (tests/test_gpu_check_script.py runs train's command line on CPU).
 set -uo pipefail
@@ -390,7 +390,7 @@ print("torch", torch.__version__, "CUDA", torch.version.cuda, "ray", ray.__versi
       continue
     elif [ -n "$py_given" ]; then  # install fills ./.venv, which the stages, given $py, would not use
       fail "$py cannot import torch, ray and deepspeed (${stack##*$'\n'}): install them \
-into it or onto its PYTHONPATH (README \"On a GPU cluster\"), or give no python and let install make ./.venv"
+into it or onto its PYTHONPATH (docs/gpu-cluster.md, \"Offline install\"), or give no python and let install make ./.venv"
     fi
   fi
   started=$(date +%s)

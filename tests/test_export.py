@@ -23,6 +23,7 @@ from app.__main__ import main
 from app.config import ConfigError
 from app.model.export import export
 from tests.conftest import TINY_RUN_STEPS
+from tests.doc_commands import doc_argv
 from tests.export_utils import load_in_fresh_process, max_relative_diff, random_sequences, reference_logits
 from tests.test_train_e2e import _config
 
@@ -45,7 +46,9 @@ def trained(tiny_run, tmp_path_factory):
     out = tmp / "hf"
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):  # the CLI, in this process (a fresh interpreter costs ~10 s)
-        assert main(["export", summary.run_dir, "--out", str(out), "--json"]) == 0
+        # the quickstart's command (tests/doc_commands.py), with --json to read its result
+        argv = doc_argv("export RUN_DIR --out my-model", RUN_DIR=summary.run_dir, **{"my-model": str(out)})
+        assert main([*argv, "--json"]) == 0
     result = json.loads(stdout.getvalue())  # stdout holds only the JSON line
     config = _config(tmp, "run")
     sequences = random_sequences(151643)

@@ -112,6 +112,7 @@ def test_no_import_circle_between_modules() -> None:
     ["plan", "--config", "configs/paper/qwen2.5-0.5b-lmsys.yaml", "--json", "--set", "plan.num_batches=2"],
     ["plan", "--config", "configs/tiny-cpu.yaml", "--json", "--set", "plan.num_batches=2"],
     ["bench", "planner", "--repeats", "1", "--json"],
+    ["config", "show", "--config", "configs/qwen2.5-0.5b-gpu.yaml", "--json"],
 ])
 def test_light_commands_never_import_torch_deepspeed_or_transformers(argv: list[str]) -> None:
     script = (

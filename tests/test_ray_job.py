@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_commands import doc_argv
 from tests.run_configs import SMALL_VOCAB
 from workers.tools.launch import free_port
 
@@ -111,7 +112,8 @@ def quiet_run(ray_head: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     storage = tmp_path_factory.mktemp("quiet")
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    command = [sys.executable, "-m", "app", "train", "--config", "configs/tiny-cpu.yaml",
+    # The README's and the quickstart's main job, as documented (tests/doc_commands.py), shrunk by overrides.
+    command = [sys.executable, "-m", "app", *doc_argv("train --config configs/tiny-cpu.yaml"),
                "--set", f"run.storage_path={storage}", "--set", "run.name=quiet", "--set", "train.steps=2",
                "--set", "data.num_samples=32", "--set", "data.length_scale=0.1", "--set", SMALL_VOCAB,
                "--set", "parallel.cp_size=1", "--set", "parallel.num_workers=1"]  # its output, not CP

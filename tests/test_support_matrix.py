@@ -1,5 +1,5 @@
-"""The README's architecture support matrix: every supported architecture through verify's parity at CP=2,
-every refused one refused by `python -m app verify` with exit 2 naming the feature.
+"""The architecture support matrix of docs/model-and-data.md: every supported architecture through verify's
+parity at CP=2, every refused one refused by `python -m app verify` with exit 2 naming the feature.
 
 Each model is transformers' own config class at tiny dimensions (hidden 64, 2 layers, 4 heads over 2 KV
 heads, vocabulary 256) with random weights, written with save_pretrained and loaded back as a user's model

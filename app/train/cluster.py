@@ -42,7 +42,7 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True, training: boo
     else:
         from app.train.preflight import check_embedded_cpus
 
-        num_cpus = config.resources.num_cpus or (os.cpu_count() or 1) + 2
+        num_cpus = embedded_num_cpus(config)
         if training:
             check_embedded_cpus(config, num_cpus)
         start_local_ray(num_cpus, log_to_driver=worker_logs)
@@ -56,6 +56,11 @@ def ray_session(config: SkrullConfig, *, worker_logs: bool = True, training: boo
             os.environ.pop("RAY_ADDRESS", None)
 
 
+def embedded_num_cpus(config: SkrullConfig) -> float:
+    """The logical CPUs of an embedded Ray: resources.num_cpus, or 0 = this machine's cores + 2."""
+    return config.resources.num_cpus or (os.cpu_count() or 1) + 2
+
+
 def start_local_ray(num_cpus: float, *, log_to_driver: bool) -> str:
     """Start an embedded Ray on loopback whose address every process of it knows; returns the address.
 
@@ -64,9 +69,9 @@ def start_local_ray(num_cpus: float, *, log_to_driver: bool) -> str:
     resolves "the" cluster from RAY_ADDRESS, and without it picks the newest Ray on the machine, which may
     be someone's `ray start` cluster. The caller owns os.environ["RAY_ADDRESS"], set here for the driver.
 
-    Loopback only (README "Where Ray comes from"): Ray 2.60's servers (the GCS, raylet, object manager
-    and core worker gRPC servers, the dashboard and its agent, the runtime-env agent, the metrics
-    exporters) bind loopback when the node IP is a loopback address, and otherwise the node IP or the
+    Loopback only (docs/gpu-cluster.md, "Where Ray comes from"): Ray 2.60's servers (the GCS, raylet,
+    object manager and core worker gRPC servers, the dashboard and its agent, the runtime-env agent, the
+    metrics exporters) bind loopback when the node IP is a loopback address, and otherwise the node IP or the
     wildcard (measured: "::" for the gRPC servers), so the node IP must really be 127.0.0.1. ray.init
     turns `_node_ip_address="127.0.0.1"` into the machine's reachable address (ray/_private/services.py
     `resolve_ip_for_localhost`) unless Ray's ENABLE_RAY_CLUSTER is off, which Ray reads once, at import,
