@@ -122,13 +122,10 @@ def _dynamo_on() -> None:
 
 def _compile_with_aot_eager() -> None:
     """In this test process train.compile traces with the AOT-autograd backend (no code generation)."""
+    import workers.compile
+
     _dynamo_on()
-    plain = torch.nn.Module.compile
-
-    def compile(self, **kwargs):
-        return plain(self, backend="aot_eager", **kwargs)
-
-    torch.nn.Module.compile = compile
+    workers.compile.BACKEND = "aot_eager"
 
 
 def _variant_run(rank: int, world: int, name: str, payloads: list) -> dict:

@@ -1,20 +1,26 @@
 """train.compile: each decoder layer compiled with torch.compile, the DACP attention inside as a custom op.
 
-    for layer in model.get_decoder().layers:  layer.compile(dynamic=True)
-    model's attention implementation:         "dacp_op" (workers/attention/hf.py -> workers/attention/op.py)
+    every decoder layer's class -> a subclass whose __call__ is torch.compile(LayerClass.__call__, dynamic)
+    model's attention implementation -> "dacp_op" (workers/attention/hf.py -> workers/attention/op.py)
 
-Per layer rather than the whole model: the 24-80 layers of a decoder share one code object, so dynamo
-compiles one graph (and its backward) for all of them, and transformers' activation checkpointing keeps
-wrapping each layer's call (the compiled call runs inside the checkpoint). `dynamic=True`: the token count
-changes every micro-batch, so it is a symbolic size from the first compile on instead of a recompile per
-length (sizes 0 and 1 are specialized by torch: the one-token idle micro-batch compiles once more).
+Per layer rather than the whole model: the 24-80 layers of a decoder share one code, so dynamo compiles one
+graph (and its backward) for all of them. The layer's whole call is compiled, activation checkpointing
+included, so the checkpoint runs inside the graph (dynamo's activation-checkpoint op: the compiled backward
+recomputes what the checkpoint drops) whichever of transformers' versions wraps it (5.17 checkpoints the
+layer's __call__, later versions its forward); compiling only the module's own call would put the compiled
+region inside the checkpoint's saved-tensor hooks instead. The subclass keeps the layer's parameters and
+module path, so state dicts, checkpoints and exports do not change. `dynamic=True`: the token count changes
+every micro-batch, so it is a symbolic size from the first compile on instead of a recompile per length
+(sizes 0 and 1 are specialized by torch: the one-token idle micro-batch compiles once more).
 The attention runs as an opaque op whose inputs are tensors only, so no graph guards on the micro-batch's
 layout (workers/attention/op.py says why and how it reaches the op).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import Any
 
 import torch
 
@@ -22,6 +28,8 @@ from workers.attention.hf import register_dacp_op_attention
 
 COMPILED = "skrull_compiled_layers"
 """Attribute set on a model whose layers are compiled (workers/forward.py passes the layout by context)."""
+BACKEND = "inductor"
+"""torch.compile's backend (tests trace with "aot_eager": dynamo and AOT autograd without code generation)."""
 
 
 def compile_layers(model: torch.nn.Module) -> None:
@@ -38,8 +46,20 @@ def compile_layers(model: torch.nn.Module) -> None:
     else:
         model.config._attn_implementation = name
     for layer in model.get_decoder().layers:
-        layer.compile(dynamic=True)
+        layer.__class__ = compiled_class(type(layer), BACKEND)
     setattr(model, COMPILED, True)
+
+
+@functools.cache
+def compiled_class(layer_class: type, backend: str) -> type:
+    """`layer_class` with its __call__ compiled (one compiled callable per class: every layer shares it)."""
+    compiled = torch.compile(layer_class.__call__, dynamic=True, backend=backend)
+
+    def __call__(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return compiled(self, *args, **kwargs)
+
+    return type(f"Compiled{layer_class.__name__}", (layer_class,),
+                {"__call__": __call__, "__module__": layer_class.__module__})
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
