@@ -373,15 +373,18 @@ class TrainConfig:
     weights too (gathered per layer in its forward and backward: for models whose weights do not fit one
     device, at the cost of the gathers), 1 the optimizer state only. Stage 0 is refused: only ZeRO's
     optimizer checks the gradient norm for inf/NaN before it applies an update (`nonfinite` relies on it)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward: less memory per token, ~1/3 more compute."""
+    activation_checkpointing: bool | Literal["auto"] = False
+    """Recompute decoder layers' activations in backward: less memory per token, up to ~1/3 more compute.
+    true: every activation_checkpointing_every-th layer; auto (the GPU configs): the planner picks off,
+    every n-th layer or every layer, whichever gives the fastest modeled step with the BucketSize it
+    allows (app/profiling/checkpointing.py); `plan` shows the candidates, `train` says its choice."""
     activation_checkpointing_every: int = 1
-    """With activation_checkpointing: recompute only every n-th decoder layer (transformers'
+    """With activation_checkpointing true: recompute only every n-th decoder layer (transformers'
     `every_n_layers`); the others keep their activations: between full recompute (1) and none."""
     activation_offload: bool = False
-    """With activation_checkpointing on GPUs: hold each recomputed layer's saved input in host memory
-    instead of on the device (transformers' `offload`): frees layers x tokens x hidden x 2 bytes of GPU
-    memory per rank for a host copy in forward and a copy back in backward."""
+    """With activation_checkpointing (true or auto) on GPUs: hold each recomputed layer's saved input in host
+    memory instead of on the device (transformers' `offload`): frees layers x tokens x hidden x 2 bytes of
+    GPU memory per rank for a host copy in forward and a copy back in backward."""
     loss_chunk_tokens: int = 4096
     """Cross-entropy is computed this many tokens at a time, so full logits never exist."""
     checkpoint_every: int = 0
@@ -439,9 +442,12 @@ class TrainConfig:
                  f"{self.activation_checkpointing_every}")
         for name, changed in (("activation_checkpointing_every", self.activation_checkpointing_every != 1),
                               ("activation_offload", self.activation_offload)):
-            _require(self.activation_checkpointing or not changed,
+            _require(self.activation_checkpointing is not False or not changed,
                      f"train.{name} applies to recomputed layers: set train.activation_checkpointing=true "
                      f"(or leave train.{name} at its default)")
+        _require(self.activation_checkpointing != "auto" or self.activation_checkpointing_every == 1,
+                 "train.activation_checkpointing=auto picks which layers recompute: leave "
+                 "train.activation_checkpointing_every at 1, or set train.activation_checkpointing=true")
         _require(self.log_every >= 1, "train.log_every must be >= 1")
         _require(self.max_failures >= -1, "train.max_failures must be >= 0 (or -1: no limit)")
         _require(self.collective_timeout_s > 0, "train.collective_timeout_s must be > 0 seconds")
