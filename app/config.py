@@ -276,10 +276,10 @@ class SchedulingConfig:
     policy: str = "skrull"
     """A policy of scheduling.POLICIES: skrull | static_cp | static_cp_packed | sorted | roundrobin | ..."""
     bucket_size: int | Literal["auto"] = 26000
-    """BucketSize C: tokens one rank may hold in a micro-batch (activation-memory budget), or `auto`: C
-    from the device memory left by the weights, gradients and optimizer state at train.zero_stage and the
-    activation bytes per token of the checkpointing setting (hardware.profile; app/profiling/memory.py),
-    which `plan` and `train` print."""
+    """BucketSize C: tokens one rank may hold in a micro-batch (activation-memory budget), or `auto`: the
+    largest C whose modeled peak (weights, gradients and optimizer state at train.zero_stage, the loss, the
+    activations of the checkpointing setting from the model's shapes, hardware.profile's runtime term)
+    leaves 10% of the device free (app/profiling/memory.py), which `plan` and `train` print."""
     global_batch_size: int = field(default=64, metadata=MATH)
     """Sequences per global batch (one optimizer step), over all DP ranks."""
     static_cp_micro_batch: int = 1
@@ -558,13 +558,13 @@ class SkrullConfig:
         """The longest sequence a run accepts: data.max_length, capped by what fits one CP group (C * N)
         unless the policy cuts long sequences into chunks (chunkflow: data.max_length as set, 0 is C * N).
 
-        scheduling.bucket_size=auto must have been derived first (app/profiling/memory.py
+        scheduling.bucket_size=auto must have been derived first (app/profiling/budget.py
         resolve_bucket_size: the commands and `train` do it)."""
         from scheduling.policies import ANY_LENGTH
 
         if self.scheduling.bucket_size == "auto":
             raise ConfigError("scheduling.bucket_size=auto is derived from memory before the run's longest "
-                              "sequence is known (app/profiling/memory.py resolve_bucket_size)")
+                              "sequence is known (app/profiling/budget.py resolve_bucket_size)")
         hard = self.scheduling.bucket_size * self.parallel.cp_size
         if self.scheduling.policy in ANY_LENGTH:
             return self.data.max_length or hard

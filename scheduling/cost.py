@@ -124,10 +124,10 @@ class HardwareProfile:
     comm_passes: float = 3.0
     """Ring traffic of forward+backward in units of the forward K/V traffic (fwd K,V; bwd K,V + dK,dV)."""
     device_memory_bytes: float = 80e9
-    runtime_memory_bytes: float = 0.0
+    runtime_memory_bytes: float = 2.5e9
     """Device memory a training micro-batch holds beyond what app/profiling/memory.py models from the model's
     shapes (kernel workspaces, blocks the CUDA caching allocator keeps for other streams, ...): measured
-    peak minus the modeled terms (`profile`); 0: none."""
+    peak minus the modeled terms (`profile`; h100.yaml says where its value comes from); 0: none."""
     ring_overlap: float = 1.0
     """Share of min(ring time, local compute) the ring's transfers hide behind local compute: 1 = fully
     (DACP's premise, separate CUDA streams), 0 = serialized (measured by `python -m app profile`)."""

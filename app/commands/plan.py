@@ -21,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from app.model.support import check_model_support
+    from app.profiling.budget import resolve_bucket_size
     from app.profiling.checkpointing import format_candidates
     from app.profiling.hardware import cost_model
     from app.profiling.memory import (
@@ -29,7 +30,6 @@ def run(args: argparse.Namespace) -> int:
         format_terms,
         memory_table,
         memory_terms,
-        resolve_bucket_size,
     )
     from app.profiling.plan_report import degree_line, format_table, plan_dry_run, plot_ranks
 

@@ -17,7 +17,7 @@ def model_spec(model: ModelConfig, train: TrainConfig, *, tokenizer: str | TextT
     model.vocab_size is 0."""
     if train.activation_checkpointing == "auto":
         raise ValueError("train.activation_checkpointing=auto is chosen before a model is built "
-                         "(app/profiling/memory.py resolve_bucket_size)")
+                         "(app/profiling/budget.py resolve_bucket_size)")
     vocab_size = model.vocab_size
     if not vocab_size and is_tiny_preset(model.name_or_path):
         from app.data.tokenizer import vocab_size_of

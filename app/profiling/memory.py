@@ -33,15 +33,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from app.config import ConfigError, SkrullConfig
 from app.profiling.activation import Checkpointing, PassMemory, Phase, kernel_set, model_shape, pass_memory
 from app.profiling.hardware import load_hardware_profile, model_dims
 from scheduling import CostModel, HardwareProfile, bucket_size_from_memory
-
-if TYPE_CHECKING:
-    from app.profiling.checkpointing import CheckpointingChoice
 
 SAFETY_FRACTION = 0.10
 """Share of the device memory kept free of the modeled terms (the headroom)."""
@@ -144,25 +140,6 @@ class MemoryTerms:
                 f"kernels: {self.kernels})")
 
 
-@dataclass(frozen=True, slots=True)
-class BucketBudget:
-    """The BucketSize a run uses and where it came from."""
-
-    tokens: int
-    source: str
-    """config (scheduling.bucket_size set) | memory (auto: derived here)."""
-    terms: MemoryTerms | None = None
-    """The terms C was derived from (source memory)."""
-    checkpointing: CheckpointingChoice | None = None
-    """How train.activation_checkpointing=auto was resolved (None: it was set)."""
-
-    def line(self) -> str:
-        if self.terms is None:
-            return f"BucketSize C = {self.tokens:,} tokens per rank (scheduling.bucket_size)"
-        return f"BucketSize C = {self.tokens:,} tokens per rank (scheduling.bucket_size=auto, modeled): " \
-               f"{self.terms.line()}"
-
-
 def trainable_params(config: SkrullConfig, cost: CostModel) -> float:
     """T: every parameter, or with model.lora.r > 0 the adapters' r x (in + out) per adapted linear."""
     lora = config.model.lora
@@ -182,7 +159,7 @@ def configured_checkpointing(config: SkrullConfig, offload: bool | None = None) 
     train = config.train
     if train.activation_checkpointing == "auto":
         raise ConfigError("train.activation_checkpointing=auto is resolved before the memory of one setting "
-                          "is modeled (app/profiling/memory.py resolve_bucket_size)")
+                          "is modeled (app/profiling/budget.py resolve_bucket_size)")
     offload = train.activation_offload if offload is None else offload
     every = train.activation_checkpointing_every if train.activation_checkpointing else (1 if offload else 0)
     return Checkpointing(every=every, offload=offload)
@@ -223,39 +200,6 @@ def memory_terms(config: SkrullConfig, *, zero_stage: int | None = None, offload
                        optimizer=trainable * 12 / workers, runtime=profile.runtime_memory_bytes,
                        safety=SAFETY_FRACTION * device, recompute=setting.name, kernels=kernels,
                        activations=activations, bucket=None if size == "auto" else int(size))
-
-
-def bucket_budget(config: SkrullConfig, *, kernels: str = "torch") -> BucketBudget:
-    """scheduling.bucket_size as set, or (auto) the C of memory_terms; auto with nothing left for
-    activations is a ConfigError naming the knobs."""
-    size = config.scheduling.bucket_size
-    if size != "auto":
-        return BucketBudget(tokens=int(size), source="config")
-    terms = memory_terms(config, kernels=kernels)
-    if terms.tokens < 1:
-        raise ConfigError(
-            f"scheduling.bucket_size=auto: nothing is left for activations on a rank "
-            f"{terms.line()}: set train.zero_stage=3, model.lora.r, train.activation_checkpointing, more "
-            "parallel.num_workers, or scheduling.bucket_size by hand")
-    return BucketBudget(tokens=terms.tokens, source="memory", terms=terms)
-
-
-def resolve_bucket_size(config: SkrullConfig, *, kernels: str = "torch") -> tuple[SkrullConfig, BucketBudget]:
-    """The config with train.activation_checkpointing a bool (auto resolved by the planner,
-    app/profiling/checkpointing.py) and scheduling.bucket_size an int (auto replaced by the derived C),
-    and its budget."""
-    choice = None
-    if config.train.activation_checkpointing == "auto":
-        from app.profiling.checkpointing import choose_checkpointing
-
-        choice = choose_checkpointing(config, kernels=kernels)
-        config = dataclasses.replace(config, train=dataclasses.replace(config.train,
-                                                                       **choice.chosen.setting.train_values()))
-    budget = dataclasses.replace(bucket_budget(config, kernels=kernels), checkpointing=choice)
-    if config.scheduling.bucket_size == budget.tokens:
-        return config, budget
-    scheduling = dataclasses.replace(config.scheduling, bucket_size=budget.tokens)
-    return dataclasses.replace(config, scheduling=scheduling), budget
 
 
 def memory_table(config: SkrullConfig, *, kernels: str = "torch") -> dict[str, MemoryTerms]:
