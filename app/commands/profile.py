@@ -240,13 +240,14 @@ def _memory_fields(raw: dict, config: Any, residuals: dict[str, float]) -> dict[
     (app/profiling/activation/), never below 0; each setting's residual is its measured bytes per token
     (a least-squares slope) against the modeled, relative."""
     from app.profiling.activation import Checkpointing, kernel_set, model_shape, pass_memory
+    from app.profiling.memory import kernel_set_of
     from scheduling.calibrate import fit_linear
 
     shape, excess = model_shape(config), 0.0
     for key, (every, offload) in MEMORY_SETTINGS.items():
         if key not in raw:
             continue
-        modeled = pass_memory(shape, kernel_set("torch"), Checkpointing(every, offload),
+        modeled = pass_memory(shape, kernel_set(kernel_set_of(config)), Checkpointing(every, offload),
                               config.train.loss_chunk_tokens)
         rows = raw[key]
         excess = max([excess, *(r["peak_bytes"] - modeled.peak(r["tokens"]) for r in rows)])

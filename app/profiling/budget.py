@@ -32,7 +32,7 @@ class BucketBudget:
                f"{self.terms.line()}"
 
 
-def bucket_budget(config: SkrullConfig, *, kernels: str = "torch") -> BucketBudget:
+def bucket_budget(config: SkrullConfig, *, kernels: str | None = None) -> BucketBudget:
     """scheduling.bucket_size as set, or (auto) the C of memory_terms; auto with nothing left for
     activations is a ConfigError naming the knobs."""
     size = config.scheduling.bucket_size
@@ -47,7 +47,8 @@ def bucket_budget(config: SkrullConfig, *, kernels: str = "torch") -> BucketBudg
     return BucketBudget(tokens=terms.tokens, source="memory", terms=terms)
 
 
-def resolve_bucket_size(config: SkrullConfig, *, kernels: str = "torch") -> tuple[SkrullConfig, BucketBudget]:
+def resolve_bucket_size(config: SkrullConfig, *,
+                        kernels: str | None = None) -> tuple[SkrullConfig, BucketBudget]:
     """The config with train.activation_checkpointing a bool (auto resolved by the planner,
     app/profiling/checkpointing.py) and scheduling.bucket_size an int (auto replaced by the derived C),
     and its budget."""

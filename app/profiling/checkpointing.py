@@ -100,7 +100,8 @@ def with_setting(config: SkrullConfig, setting: Checkpointing, bucket: int | Non
     return dataclasses.replace(config, scheduling=dataclasses.replace(config.scheduling, bucket_size=bucket))
 
 
-def _memory(config: SkrullConfig, setting: Checkpointing, kernels: str) -> tuple[MemoryTerms, int, bool]:
+def _memory(config: SkrullConfig, setting: Checkpointing,
+            kernels: str | None) -> tuple[MemoryTerms, int, bool]:
     terms = memory_terms(with_setting(config, setting), kernels=kernels, checkpointing=setting)
     size = config.scheduling.bucket_size
     if size == "auto":
@@ -145,7 +146,7 @@ def _modeled_step(config: SkrullConfig, setting: Checkpointing, batches: list[np
     return run.total_s / len(run.estimates)
 
 
-def evaluate_candidates(config: SkrullConfig, *, kernels: str = "torch") -> list[Candidate]:
+def evaluate_candidates(config: SkrullConfig, *, kernels: str | None = None) -> list[Candidate]:
     """Every candidate's C, peak and fit, then the modeled step of those that fit and hold."""
     from app.profiling.activation import model_shape
     from app.profiling.plan_report import sample_batches
@@ -166,7 +167,7 @@ def evaluate_candidates(config: SkrullConfig, *, kernels: str = "torch") -> list
     return out
 
 
-def choose_checkpointing(config: SkrullConfig, *, kernels: str = "torch") -> CheckpointingChoice:
+def choose_checkpointing(config: SkrullConfig, *, kernels: str | None = None) -> CheckpointingChoice:
     """The module docstring's choice; none usable is a ConfigError naming the knobs."""
     candidates = evaluate_candidates(config, kernels=kernels)
     usable = [c for c in candidates if c.usable]

@@ -153,6 +153,18 @@ def trainable_params(config: SkrullConfig, cost: CostModel) -> float:
     return float(lora.r * cost.num_layers * sum(sum(shapes[n]) for n in names if n in shapes))
 
 
+def kernel_set_of(config: SkrullConfig) -> str:
+    """The kernel set the run's workers use: model.kernels resolved (auto: liger on CUDA when liger-kernel is
+    installed, else torch); torch for a config without that key."""
+    import importlib.util
+
+    chosen = getattr(config.model, "kernels", "torch")
+    if chosen != "auto":
+        return chosen
+    on_gpu = config.resources.gpus_per_worker > 0
+    return "liger" if on_gpu and importlib.util.find_spec("liger_kernel") is not None else "torch"
+
+
 def configured_checkpointing(config: SkrullConfig, offload: bool | None = None) -> Checkpointing:
     """The train section's setting (offload: None = train.activation_offload; True on a setting without
     recompute means every layer offloaded). train.activation_checkpointing=auto must be resolved first."""
@@ -166,10 +178,11 @@ def configured_checkpointing(config: SkrullConfig, offload: bool | None = None) 
 
 
 def memory_terms(config: SkrullConfig, *, zero_stage: int | None = None, offload: bool | None = None,
-                 profile: HardwareProfile | None = None, kernels: str = "torch",
+                 profile: HardwareProfile | None = None, kernels: str | None = None,
                  checkpointing: Checkpointing | None = None) -> MemoryTerms:
-    """The module docstring's terms for `config` (zero_stage / offload / profile / checkpointing: None = the
-    config's; `kernels`: the kernel set the run resolved, torch | liger)."""
+    """The module docstring's terms for `config` (zero_stage / offload / profile / checkpointing / kernels:
+    None = the config's; `kernels`: torch | liger)."""
+    kernels = kernels or kernel_set_of(config)
     profile = profile or load_hardware_profile(config.hardware.profile)
     dims = model_dims(config.model, config.data.tokenizer)
     cost = CostModel.from_model_dims(hidden_size=dims.hidden_size, kv_hidden_size=dims.kv_hidden_size,
@@ -202,7 +215,7 @@ def memory_terms(config: SkrullConfig, *, zero_stage: int | None = None, offload
                        activations=activations, bucket=None if size == "auto" else int(size))
 
 
-def memory_table(config: SkrullConfig, *, kernels: str = "torch") -> dict[str, MemoryTerms]:
+def memory_table(config: SkrullConfig, *, kernels: str | None = None) -> dict[str, MemoryTerms]:
     """memory_terms at ZeRO-2 and ZeRO-3, each without and with activation offload (`plan`)."""
     return {f"zero{stage}{'_offload' if offload else ''}":
             memory_terms(config, zero_stage=stage, offload=offload, kernels=kernels)
