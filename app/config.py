@@ -293,10 +293,10 @@ class SchedulingConfig:
     policy: str = "skrull"
     """A policy of scheduling.POLICIES: skrull | static_cp | static_cp_packed | sorted | roundrobin | ..."""
     bucket_size: int | Literal["auto"] = 26000
-    """BucketSize C: tokens one rank may hold in a micro-batch (activation-memory budget), or `auto`: C
-    from the device memory left by the weights, gradients and optimizer state at train.zero_stage and the
-    activation bytes per token of the checkpointing setting (hardware.profile; app/profiling/memory.py),
-    which `plan` and `train` print."""
+    """BucketSize C: tokens one rank may hold in a micro-batch (activation-memory budget), or `auto`: the
+    largest C whose modeled peak (weights, gradients and optimizer state at train.zero_stage, the loss, the
+    activations of the checkpointing setting from the model's shapes, hardware.profile's runtime term)
+    leaves 10% of the device free (app/profiling/memory.py), which `plan` and `train` print."""
     global_batch_size: int = field(default=64, metadata=MATH)
     """Sequences per global batch (one optimizer step), over all DP ranks."""
     static_cp_micro_batch: int = 1
@@ -396,15 +396,18 @@ class TrainConfig:
     weights too (gathered per layer in its forward and backward: for models whose weights do not fit one
     device, at the cost of the gathers), 1 the optimizer state only. Stage 0 is refused: only ZeRO's
     optimizer checks the gradient norm for inf/NaN before it applies an update (`nonfinite` relies on it)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward: less memory per token, ~1/3 more compute."""
+    activation_checkpointing: bool | Literal["auto"] = False
+    """Recompute decoder layers' activations in backward: less memory per token, up to ~1/3 more compute.
+    true: every activation_checkpointing_every-th layer; auto (the GPU configs): the planner picks off,
+    every n-th layer or every layer, whichever gives the fastest modeled step with the BucketSize it
+    allows (app/profiling/checkpointing.py); `plan` shows the candidates, `train` says its choice."""
     activation_checkpointing_every: int = 1
-    """With activation_checkpointing: recompute only every n-th decoder layer (transformers'
+    """With activation_checkpointing true: recompute only every n-th decoder layer (transformers'
     `every_n_layers`); the others keep their activations: between full recompute (1) and none."""
     activation_offload: bool = False
-    """With activation_checkpointing on GPUs: hold each recomputed layer's saved input in host memory
-    instead of on the device (transformers' `offload`): frees layers x tokens x hidden x 2 bytes of GPU
-    memory per rank for a host copy in forward and a copy back in backward."""
+    """With activation_checkpointing (true or auto) on GPUs: hold each recomputed layer's saved input in host
+    memory instead of on the device (transformers' `offload`): frees layers x tokens x hidden x 2 bytes of
+    GPU memory per rank for a host copy in forward and a copy back in backward."""
     loss_chunk_tokens: int = 4096
     """Cross-entropy is computed this many tokens at a time, so full logits never exist."""
     optimizer_impl: Literal["auto", "foreach", "fused"] = "auto"
@@ -476,9 +479,12 @@ class TrainConfig:
                  f"{self.activation_checkpointing_every}")
         for name, changed in (("activation_checkpointing_every", self.activation_checkpointing_every != 1),
                               ("activation_offload", self.activation_offload)):
-            _require(self.activation_checkpointing or not changed,
+            _require(self.activation_checkpointing is not False or not changed,
                      f"train.{name} applies to recomputed layers: set train.activation_checkpointing=true "
                      f"(or leave train.{name} at its default)")
+        _require(self.activation_checkpointing != "auto" or self.activation_checkpointing_every == 1,
+                 "train.activation_checkpointing=auto picks which layers recompute: leave "
+                 "train.activation_checkpointing_every at 1, or set train.activation_checkpointing=true")
         _require(self.log_every >= 1, "train.log_every must be >= 1")
         _require(self.max_failures >= -1, "train.max_failures must be >= 0 (or -1: no limit)")
         _require(self.collective_timeout_s > 0, "train.collective_timeout_s must be > 0 seconds")
@@ -606,13 +612,13 @@ class SkrullConfig:
         """The longest sequence a run accepts: data.max_length, capped by what fits one CP group (C * N)
         unless the policy cuts long sequences into chunks (chunkflow: data.max_length as set, 0 is C * N).
 
-        scheduling.bucket_size=auto must have been derived first (app/profiling/memory.py
+        scheduling.bucket_size=auto must have been derived first (app/profiling/budget.py
         resolve_bucket_size: the commands and `train` do it)."""
         from scheduling.policies import ANY_LENGTH
 
         if self.scheduling.bucket_size == "auto":
             raise ConfigError("scheduling.bucket_size=auto is derived from memory before the run's longest "
-                              "sequence is known (app/profiling/memory.py resolve_bucket_size)")
+                              "sequence is known (app/profiling/budget.py resolve_bucket_size)")
         hard = self.scheduling.bucket_size * self.parallel.cp_size
         if self.scheduling.policy in ANY_LENGTH:
             return self.data.max_length or hard

@@ -44,8 +44,7 @@ Times (a HardwareProfile holds the rates; see configs/hardware/*.yaml for the so
 
 Memory: activations are linear in tokens, so a rank's budget is a token count
     C = (device memory - static memory - safety) / alpha,  alpha = activation bytes per token
-with alpha = 34 * h bytes per layer for bf16 with selective recomputation (Korthikanti et al. 2022,
-"Reducing Activation Recomputation in Large Transformer Models", Table 2, t = 1).
+(`bucket_size_from_memory`); app/profiling/memory.py derives the terms from the model's shapes.
 """
 
 from __future__ import annotations
@@ -63,6 +62,10 @@ QWEN_VOCAB_SIZE = 151936
 COST_FORMULAS = ("paper", "model")
 CostFormula = Literal["paper", "model"]
 
+
+RETIRED_PROFILE_KEYS = ("activation_bytes_per_hidden", "checkpoint_bytes_per_hidden")
+"""Keys of profiles written before activation memory was derived from the model's shapes
+(app/profiling/activation/): still read, ignored."""
 
 TIME = {"scales_as": "time"}
 RATE = {"scales_as": "rate"}
@@ -121,12 +124,10 @@ class HardwareProfile:
     comm_passes: float = 3.0
     """Ring traffic of forward+backward in units of the forward K/V traffic (fwd K,V; bwd K,V + dK,dV)."""
     device_memory_bytes: float = 80e9
-    activation_bytes_per_hidden: float = 34.0
-    """Activation bytes per token per layer per hidden unit, nothing recomputed (34: Korthikanti et al.'s
-    count with selective recompute, bf16); app/profiling/memory.py."""
-    checkpoint_bytes_per_hidden: float = 2.0
-    """Bytes per token per hidden unit a recomputed (checkpointed) layer keeps on the device: its input (2:
-    bf16); app/profiling/memory.py."""
+    runtime_memory_bytes: float = 2.5e9
+    """Device memory a training micro-batch holds beyond what app/profiling/memory.py models from the model's
+    shapes (kernel workspaces, blocks the CUDA caching allocator keeps for other streams, ...): measured
+    peak minus the modeled terms (`profile`; h100.yaml says where its value comes from); 0: none."""
     ring_overlap: float = 1.0
     """Share of min(ring time, local compute) the ring's transfers hide behind local compute: 1 = fully
     (DACP's premise, separate CUDA streams), 0 = serialized (measured by `python -m app profile`)."""
@@ -150,7 +151,7 @@ class HardwareProfile:
                 if not np.isfinite(value):
                     raise ValueError(f"hardware profile {self.name!r}: {f.name} must be finite: {value!r}")
             elif f.name in ("ring_overlap", "grad_reduce_bandwidth", "optimizer_s_per_param",
-                            "micro_batch_launch_s", "ring_sequence_step_s"):
+                            "micro_batch_launch_s", "ring_sequence_step_s", "runtime_memory_bytes"):
                 ok = 0.0 <= value <= 1.0 if f.name == "ring_overlap" else value >= 0
                 if not ok:
                     raise ValueError(f"hardware profile {self.name!r}: {f.name} out of range: {value!r}")
@@ -161,6 +162,7 @@ class HardwareProfile:
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
         """Build from a mapping (a parsed YAML profile); unknown keys are errors naming the key."""
         names = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k not in RETIRED_PROFILE_KEYS}
         unknown = sorted(set(data) - names)
         if unknown:
             raise ValueError(

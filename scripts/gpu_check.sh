@@ -215,13 +215,14 @@ run_dir = json.loads(Path(sys.argv[1]).read_text())["run_dir"]
 report, config = run_report(run_dir), load_config(Path(run_dir) / CONFIG_SNAPSHOT)
 history, cost = report["history"], cost_model(config)
 world = int(history[-1]["world_size"])
-# The memory model of scheduling.bucket_size=auto (app/profiling/memory.py): weights, gradients and
-# optimizer state per rank at the run's ZeRO stage, the chunked loss, and alpha bytes per token of a full
-# bucket (the safety margin left out: it is what the model keeps free, not what it predicts in use).
+# The memory model of scheduling.bucket_size=auto (app/profiling/memory.py) for the run's own settings
+# (its saved config: checkpointing resolved, C an int): weights, gradients and optimizer state per rank at
+# its ZeRO stage, the profile's runtime term, and the phase of a micro-batch of C tokens that holds the
+# most (the safety margin left out: it is what the model keeps free, not what it predicts in use).
 terms = memory_terms(config)
-static, alpha = terms.static + terms.loss, terms.activation_per_token
+static, alpha = terms.static + terms.runtime + terms.loss, terms.activation_per_token
 bucket = config.scheduling.bucket_size
-predicted = static + alpha * bucket
+predicted = terms.peak_bytes
 peaks = [h["gpu_peak_bytes"] for h in history if h.get("gpu_peak_bytes") is not None]
 measured = max(peaks) if peaks else None
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -233,7 +234,8 @@ result = {
     "gpu_peak_bytes": measured, "predicted_peak_bytes": predicted,
     "gpu_peak_over_predicted": None if measured is None else measured / predicted,
     "memory_model": {"params": cost.params, "static_bytes": static, "activation_bytes_per_token": alpha,
-                     "bucket_size": bucket, "world_size": world},
+                     "bucket_size": bucket, "world_size": world, "recompute": terms.recompute,
+                     "kernels": terms.kernels, "peak_phase": terms.phase.name, "terms": terms.as_json()},
     "gpu": gpu, "python": sys.executable, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
     "torch_from": str(Path(torch.__file__).parent.parent),
     "ray": importlib.metadata.version("ray"), "deepspeed": importlib.metadata.version("deepspeed"),
@@ -256,8 +258,8 @@ print(f"  tokens/s    {num(r['tokens_per_s'], '.0f')} overall, {num(r['tokens_pe
       f"step; MFU median {num(r['mfu_median'])} of {cost.profile.peak_flops:.3g} FLOP/s")
 print(f"  step time   {num(r['step_s_median'])} s measured, {num(r['predicted_step_s_median'])} s predicted "
       f"(medians; hardware.profile={config.hardware.profile}, predicted / measured {num(r['profile_ratio'])})")
-print(f"  GPU memory  {gb(measured)} peak allocated, {gb(predicted)} predicted (static {gb(static)} + "
-      f"{alpha / 1e3:.0f} KB/token x bucket {bucket})")
+print(f"  GPU memory  {gb(measured)} peak allocated, {gb(predicted)} predicted (static, runtime and "
+      f"loss {gb(static)} + {alpha / 1e3:.0f} KB/token x bucket {bucket}; recompute {terms.recompute})")
 print(f"train.json: {sys.argv[2]}")
 if r["status"] != "finished":
     sys.exit(f"gpu_check train: the run is {r['status']!r}, not finished")

@@ -206,7 +206,8 @@ def test_the_train_stage_runs_its_command_line_on_cpu(tmp_path: Path) -> None:
     alpha = terms.activation_per_token
     assert report["memory_model"]["params"] == params
     assert report["memory_model"]["activation_bytes_per_token"] == alpha
-    assert report["predicted_peak_bytes"] == pytest.approx(terms.static + terms.loss + alpha * 1024)
+    assert report["predicted_peak_bytes"] == pytest.approx(terms.peak_bytes)
+    assert terms.peak_bytes == pytest.approx(terms.static + terms.runtime + terms.loss + alpha * 1024)
     assert report["python"] == base and report["torch_from"] == site
     config = json.loads((run_dir / "skrull_config.json").read_text())
     assert config["model"]["attention_backend"] == "auto" and config["model"]["random_init"] is True

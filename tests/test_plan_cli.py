@@ -73,7 +73,7 @@ def test_plan_says_how_many_rows_too_long_changed(capsys, mode: str):
     assert _run(plan, [*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"policies", "too_long", "data", "cp_degrees", "bucket_size", "bucket_size_source",
-                        "memory"}
+                        "checkpointing", "memory", "memory_terms"}
     assert set(out["policies"]) == set(POLICIES)
     report = out["too_long"]
     assert out["data"]["formats"] == {"synthetic": report["sampled"]}

@@ -12,6 +12,7 @@ import pytest
 from app.__main__ import main
 from app.commands.profile import compute_cases, fit_profile
 from app.config import load_config
+from app.profiling.activation import Checkpointing, kernel_set, model_shape, pass_memory
 from app.profiling.hardware import cost_model, load_hardware_profile
 from app.profiling.steps import STEP_POLICIES, fitted_cost, planned_steps, scaled_fields
 from scheduling import simulate
@@ -21,8 +22,7 @@ from tests.run_configs import SMALL_VOCAB
 TRUTH = {"mfu": 0.2, "micro_batch_launch_s": 0.004, "intra_node_latency_s": 1e-4,
          "intra_node_comm_offset_s": 2e-5, "intra_node_bandwidth": 2e9, "ring_overlap": 0.6,
          "grad_reduce_bandwidth": 1e9,
-         "optimizer_s_per_param": 2e-8, "activation_bytes_per_hidden": 300.0,
-         "checkpoint_bytes_per_hidden": 6.0}
+         "optimizer_s_per_param": 2e-8, "runtime_memory_bytes": 3e6}
 TINY = ["scheduling.cost_formula=model", "model.vocab_size=773", SMALL_VOCAB]
 """A 773-word model with its 773-word tokenizer (`plan` refuses a tokenizer whose ids the model cannot
 embed)."""
@@ -35,9 +35,9 @@ def _raw(config) -> dict:
     world, params = 2, 1_000_000
     reduce_bytes = params * 4
     reduce_s = 2 * (world - 1) / world * reduce_bytes / TRUTH["grad_reduce_bandwidth"]
-    per_token = TRUTH["activation_bytes_per_hidden"] * cost.num_layers * cost.hidden_size
-    recomputed = (TRUTH["checkpoint_bytes_per_hidden"] * cost.num_layers
-                  + TRUTH["activation_bytes_per_hidden"]) * cost.hidden_size
+    # the shape-derived model of each pass (app/profiling/activation/) plus the runtime bytes it misses
+    shape, chunk = model_shape(config), config.train.loss_chunk_tokens
+    nothing, every = (pass_memory(shape, kernel_set("torch"), Checkpointing(n), chunk) for n in (0, 1))
     compute = []
     for lengths, fraction in compute_cases(512):
         labels = [max(1, round(n * fraction)) - 1 for n in lengths]
@@ -53,9 +53,12 @@ def _raw(config) -> dict:
         "ring": ring, "overlap": {"overlap": TRUTH["ring_overlap"]},
         "reduce": {"params": params, "bytes": reduce_bytes, "seconds_median": reduce_s},
         "optimizer": {"params": params, "seconds_median": TRUTH["optimizer_s_per_param"] * params / world},
-        "memory": [{"tokens": t, "peak_bytes": 1e6 + t * per_token} for t in (64, 128, 256, 512)],
-        # every layer recomputed: each keeps its input, one layer's activations live at a time
-        "memory_checkpointed": [{"tokens": t, "peak_bytes": 2e6 + t * recomputed}
+        "memory": [{"tokens": t, "peak_bytes": nothing.peak(t) + TRUTH["runtime_memory_bytes"]}
+                   for t in (64, 128, 256, 512)],
+        # every layer recomputed: each keeps its input, one layer's activations live at a time; the
+        # largest case exceeds its model the most
+        "memory_checkpointed": [{"tokens": t,
+                                 "peak_bytes": every.peak(t) + TRUTH["runtime_memory_bytes"] * t / 512}
                                 for t in (64, 128, 256, 512)],
     }
 
@@ -66,6 +69,8 @@ def test_the_fits_recover_the_machine_that_made_the_measurements() -> None:
     for key, value in TRUTH.items():
         assert fields[key] == pytest.approx(value, rel=1e-6), key
     assert fields["grad_reduce_passes"] == 2.0
+    # the checkpointed rows' slope is off the model's by the runtime bytes spread over 512 tokens
+    assert residuals.pop("memory_checkpointed") > 0
     assert max(residuals.values()) < 1e-6
 
 
@@ -153,7 +158,7 @@ def test_profile_measures_this_machine_and_writes_a_loadable_profile(tmp_path: P
     # memory per checkpointing setting: nothing and every layer recomputed (offload on CUDA only)
     assert set(result["residuals"]) == {"compute", "ring", "memory", "memory_checkpointed", "step"}
     raw = result["raw"]
-    assert result["profile"]["checkpoint_bytes_per_hidden"] > 0 and len(raw["memory_checkpointed"]) == 4
+    assert result["profile"]["runtime_memory_bytes"] >= 0 and len(raw["memory_checkpointed"]) == 4
     assert len(raw["steps"]) == len(STEP_POLICIES) and min(raw["steps"]) > 0
     assert raw["step_fit"]["scale"] > 0 and raw["sequence_fit"]["micro_batches"] > 0
     sizes = [row["bytes"] for row in raw["ring"]]

@@ -24,11 +24,12 @@ def add_json_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, *, derive_bucket_size: bool = True) -> SkrullConfig:
-    """The config of --config and --set; scheduling.bucket_size=auto derived from memory
-    (app/profiling/memory.py) unless the caller derives it itself (`plan`, `train`: they print it)."""
+    """The config of --config and --set; train.activation_checkpointing=auto and scheduling.bucket_size=auto
+    resolved (app/profiling/budget.py) unless the caller resolves them itself (`plan`, `train`: they print
+    them)."""
     config = load_config(args.config, args.overrides)
     if derive_bucket_size:
-        from app.profiling.memory import resolve_bucket_size
+        from app.profiling.budget import resolve_bucket_size
 
         config, _ = resolve_bucket_size(config)
     return config

@@ -1,7 +1,8 @@
 """`python -m app plan`: a dry run of every scheduling policy on sampled global batches (modeled times), the
-configured CP degrees (scheduling.cp_degrees) against [1, N] and dynamic_cp, the BucketSize C (derived from
-memory with scheduling.bucket_size=auto) and the memory per rank at ZeRO-2 and ZeRO-3 (modeled:
-app/profiling/memory.py)."""
+configured CP degrees (scheduling.cp_degrees) against [1, N] and dynamic_cp, the activation checkpointing
+(chosen among its candidates with train.activation_checkpointing=auto: app/profiling/checkpointing.py), the
+BucketSize C (derived from memory with scheduling.bucket_size=auto) and the memory per rank by term and at
+ZeRO-2 and ZeRO-3 (modeled: app/profiling/memory.py)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from app.model.support import check_model_support
+    from app.profiling.budget import resolve_bucket_size
+    from app.profiling.checkpointing import format_candidates
     from app.profiling.hardware import cost_model
-    from app.profiling.memory import format_memory_table, memory_table, resolve_bucket_size
+    from app.profiling.memory import (
+        configured_checkpointing,
+        format_memory_table,
+        format_terms,
+        memory_table,
+        memory_terms,
+    )
     from app.profiling.plan_report import degree_line, format_table, plan_dry_run, plot_ranks
 
     config, budget = resolve_bucket_size(config_from_args(args, derive_bucket_size=False))
     check_model_support(config)  # a model the DACP attention cannot run, a vocabulary it cannot embed: exit 2
     cost = cost_model(config)
     runs, summary, too_long, read, degrees = plan_dry_run(config, cost)
+    choice = budget.checkpointing
+    checkpointing = choice.as_json() if choice else {"setting": configured_checkpointing(config).name,
+                                                     "source": "config"}
     if args.plot:
         plot_ranks(runs, args.plot)
     if args.json:
@@ -35,11 +47,14 @@ def run(args: argparse.Namespace) -> int:
         # "data" what the rows read were (by row format, malformed by reason), "cp_degrees" the configured
         # CP degrees against [1, N] and dynamic_cp (app/profiling/plan_report.py degree_summary)
         # "bucket_size" the C planned with, "bucket_size_source" config | memory (bucket_size=auto),
-        # "memory" the modeled bytes per rank at ZeRO-2 and ZeRO-3, without and with activation offload
+        # "memory" the modeled bytes per rank at ZeRO-2 and ZeRO-3, without and with activation offload, and
+        # "memory_terms" the run's own (its ZeRO stage); "checkpointing" the setting, and with
+        # train.activation_checkpointing=auto every candidate's C, peak and modeled step
         print(json.dumps({"policies": summary, "too_long": too_long.as_json(), "data": read,
                           "cp_degrees": degrees, "bucket_size": budget.tokens,
-                          "bucket_size_source": budget.source,
-                          "memory": {k: t.as_json() for k, t in memory_table(config).items()}}))
+                          "bucket_size_source": budget.source, "checkpointing": checkpointing,
+                          "memory": {k: t.as_json() for k, t in memory_table(config).items()},
+                          "memory_terms": memory_terms(config).as_json()}))
         return 0
     par, sched = config.parallel, config.scheduling
     batches = len(runs["skrull"].estimates)
@@ -49,12 +64,20 @@ def run(args: argparse.Namespace) -> int:
           f"{cost.micro_batch_overhead_s(par.dp_size * par.cp_size) * 1e3:.1f} ms "
           "(modeled times, not measurements)")
     print(budget.line())
+    if choice:
+        print(choice.line())
     if too_long.line():
         print(too_long.line())
     print(format_table(summary))
     print(degree_line(degrees))
-    print(f"memory per rank over {config.parallel.worker_range[0]} ranks, GB (modeled, not measured: "
-          "app/profiling/memory.py)")
+    if choice:
+        print("train.activation_checkpointing=auto: the candidates (modeled; app/profiling/checkpointing.py)")
+        print(format_candidates(choice))
+    terms = memory_terms(config)
+    print(f"memory per rank over {terms.workers} ranks at ZeRO-{terms.zero_stage}, recompute "
+          f"{terms.recompute}, kernels {terms.kernels} (modeled, not measured: app/profiling/memory.py)")
+    print(format_terms(terms))
+    print("the same at ZeRO-2 and ZeRO-3, without and with activation offload:")
     print(format_memory_table(memory_table(config)))
     if args.plot:
         print(f"plot written to {args.plot}")

@@ -16,11 +16,12 @@ fits every term of the cost model (scheduling/cost.py) to what was measured:
     reduce      ZeRO-2's per-micro-batch gradient all-reduce (2 ring passes) of P parameters over W
                 ranks -> grad_reduce_passes = 2, grad_reduce_bandwidth = 2 (W-1)/W * P * bytes / t
     optimizer   engine.step() / (P / W) -> optimizer_s_per_param
-    memory      peak bytes = alpha * tokens + c per checkpointing setting: nothing recomputed ->
-                activation_bytes_per_hidden a = alpha / (L * h); every layer recomputed -> alpha = (k * L +
-                a) * h -> checkpoint_bytes_per_hidden k; on CUDA recomputed with offload, whose fit is
-                reported against the model's a * h (app/profiling/memory.py); and the BucketSize C
-                that the measured profile leaves (scheduling.bucket_size: auto derives it the same way)
+    memory      peak bytes of a forward+backward per checkpointing setting (nothing recomputed, every
+                layer, and on CUDA every layer offloaded) against the shape-derived model of the same pass
+                (app/profiling/activation/) -> runtime_memory_bytes, the most a measured peak exceeds the
+                model (0 if none does); the residual is each setting's measured bytes per token against
+                the modeled; and the BucketSize C that the measured profile leaves
+                (scheduling.bucket_size: auto derives it the same way)
     steps       --steps global batches of the run's lengths, planned by skrull, static_cp_packed and
                 static_cp, trained as whole steps (each timed in 3 rounds, the median kept) -> k =
                 measured / modeled (least squares in relative error), and every time term above is
@@ -198,7 +199,7 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
         fields["micro_batch_launch_s"] = max(compute.intercept_s - reduce["seconds_median"], 0.0)
     optimizer = raw["optimizer"]
     fields["optimizer_s_per_param"] = optimizer["seconds_median"] * world / optimizer["params"]
-    fields.update(_memory_fields(raw, cost, residuals))
+    fields.update(_memory_fields(raw, config, residuals))
     if steps and raw.get("steps"):
         from app.profiling.steps import fit_steps, fitted_cost, scaled_fields
 
@@ -230,28 +231,30 @@ def _sharded_sequence_field(steps: list[Any], raw: dict, cost: Any, world: int) 
     return {"ring_sequence_step_s": fit.profile.ring_sequence_step_s}
 
 
-def _memory_fields(raw: dict, cost: Any, residuals: dict[str, float]) -> dict[str, float]:
-    """activation_bytes_per_hidden and checkpoint_bytes_per_hidden from the memory rows of each setting
-    (the command's docstring); the residuals of each fit go into `residuals`."""
+MEMORY_SETTINGS = {"memory": (0, False), "memory_checkpointed": (1, False), "memory_offloaded": (1, True)}
+"""The memory rows of workers/tools/profile_run.py and the checkpointing (every, offload) each ran with."""
+
+
+def _memory_fields(raw: dict, config: Any, residuals: dict[str, float]) -> dict[str, float]:
+    """runtime_memory_bytes: the most a measured peak exceeds the shape-derived model of its pass
+    (app/profiling/activation/), never below 0; each setting's residual is its measured bytes per token
+    (a least-squares slope) against the modeled, relative."""
+    from app.profiling.activation import Checkpointing, kernel_set, model_shape, pass_memory
+    from app.profiling.memory import kernel_set_of
     from scheduling.calibrate import fit_linear
 
-    h, layers = cost.hidden_size, cost.num_layers
-    slopes = {}
-    for key in ("memory", "memory_checkpointed", "memory_offloaded"):
-        if key in raw:
-            fit = fit_linear([r["tokens"] for r in raw[key]], [max(r["peak_bytes"], 1) for r in raw[key]])
-            slopes[key], residuals[key] = fit.slope, fit.max_rel_residual
-    fields = {"activation_bytes_per_hidden": max(slopes["memory"], 1.0) / (layers * h)}
-    if "memory_checkpointed" in slopes:
-        # a noisy host measurement can put the recomputing pass below one layer's activations: a floor
-        kept = (slopes["memory_checkpointed"] / h - fields["activation_bytes_per_hidden"]) / layers
-        fields["checkpoint_bytes_per_hidden"] = max(kept, 0.01)
-    if "memory_offloaded" in slopes:
-        modeled = fields["activation_bytes_per_hidden"] * h
-        raw["offload_fit"] = {"measured_bytes_per_token": slopes["memory_offloaded"],
-                              "modeled_bytes_per_token": modeled}
-        residuals["memory_offloaded"] = abs(slopes["memory_offloaded"] - modeled) / max(modeled, 1.0)
-    return fields
+    shape, excess = model_shape(config), 0.0
+    for key, (every, offload) in MEMORY_SETTINGS.items():
+        if key not in raw:
+            continue
+        modeled = pass_memory(shape, kernel_set(kernel_set_of(config)), Checkpointing(every, offload),
+                              config.train.loss_chunk_tokens)
+        rows = raw[key]
+        excess = max([excess, *(r["peak_bytes"] - modeled.peak(r["tokens"]) for r in rows)])
+        slope = fit_linear([r["tokens"] for r in rows], [max(r["peak_bytes"], 1) for r in rows]).slope
+        per_token = modeled.phase_at(max(r["tokens"] for r in rows)).per_token
+        residuals[key] = abs(slope - per_token) / per_token
+    return {"runtime_memory_bytes": excess}
 
 
 def _bucket_size(config: Any, fields: dict[str, float]) -> int | None:
@@ -260,8 +263,11 @@ def _bucket_size(config: Any, fields: dict[str, float]) -> int | None:
 
     from app.profiling.hardware import load_hardware_profile
     from app.profiling.memory import memory_terms
+    from scheduling import HardwareProfile
 
-    measured = dataclasses.replace(load_hardware_profile(config.hardware.profile), **fields)
+    known = {f.name for f in dataclasses.fields(HardwareProfile)}
+    measured = dataclasses.replace(load_hardware_profile(config.hardware.profile),
+                                   **{k: v for k, v in fields.items() if k in known})
     return memory_terms(config, profile=measured).tokens or None
 
 

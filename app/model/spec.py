@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 def model_spec(model: ModelConfig, train: TrainConfig, *, tokenizer: str | TextTokenizer) -> ModelSpec:
     """`tokenizer` (data.tokenizer, or the run's loaded one) sizes a random-init preset's vocabulary when
     model.vocab_size is 0."""
+    if train.activation_checkpointing == "auto":
+        raise ValueError("train.activation_checkpointing=auto is chosen before a model is built "
+                         "(app/profiling/budget.py resolve_bucket_size)")
     vocab_size = model.vocab_size
     if not vocab_size and is_tiny_preset(model.name_or_path):
         from app.data.tokenizer import vocab_size_of

@@ -1,47 +1,46 @@
-"""Memory per rank, modeled, and the BucketSize C it leaves (`scheduling.bucket_size: auto`).
+"""Memory per rank, modeled, and the BucketSize C it leaves (`scheduling.bucket_size: auto`); docs/memory.md.
 
-    C = floor((M - S - loss - safety) / alpha)       tokens one rank may hold in a micro-batch
+    peak(T) = static + runtime + max over phases (fixed + per_token * T)     one micro-batch of T tokens
+    C       = max T with peak(T) <= M - safety
+            = min over phases floor((M - safety - static - runtime - fixed) / per_token)
 
     M        device memory of a rank: hardware.profile's device_memory_bytes (CPU workers share the host's:
              divided by the workers on one node)
-    S        static bytes per rank at train.zero_stage, over W ranks (the smallest worker count of an
-             elastic run, where each rank holds the most), for P parameters of which T train (all, or the
-             LoRA adapters), e = bytes per element of model.dtype:
+    static   bytes per rank at train.zero_stage, over W ranks (the smallest worker count of an elastic run,
+             where each rank holds the most), for P parameters of which T train (all, or the LoRA
+             adapters), e = bytes per element of model.dtype:
                weights     P*e at stages 1-2; stage 3: P*e/W + the parameters under the persistence
                            threshold whole (norms and biases) + what is gathered at once: the largest
                            module's weights (a layer, or the V x h embedding) and the prefetch bucket
                gradients   stage 1: T*4 (fp32 accumulation of the whole model); stages 2-3: T*4/W (this
                            rank's fp32 partition) + two reduce buckets in model.dtype
                optimizer   T*12/W: AdamW's m and v and the fp32 master weights, partitioned (stage >= 1)
-    loss     the chunked loss (workers/loss.py): one chunk's fp32 logits and one [C, V] temporary of
-             the same size (logsumexp's; the gradient is made in the logits' storage), loss_chunk_tokens x
-             V x 8, and the fp32 LM-head gradient it accumulates, V x h x 4; chunks never overlap
-    safety   SAFETY_FRACTION of M: allocator fragmentation, the CUDA context, NCCL buffers and kernel
-             workspaces, which no term above counts
-    alpha    activation bytes per token of the checkpointing setting, from the hardware profile's
-             a = activation_bytes_per_hidden (a layer that keeps its activations) and
-             k = checkpoint_bytes_per_hidden (a recomputed layer's saved input), both measured by
-             `profile`, with c = ceil(L / n) recomputed layers (train.activation_checkpointing_every = n):
-               nothing recomputed    a * L * h
-               recompute             (a * (L - c) + k * c + a) * h     (+ a: the one layer being recomputed)
-               recompute + offload   (a * (L - c) + a) * h             (the saved inputs are in host memory)
+    runtime  hardware.profile's runtime_memory_bytes: what a micro-batch holds beyond everything modeled
+             here (measured: the profile's comment says where)
+    phases   app/profiling/activation/phases.py: the end of the forward while the loss runs (what the
+             forward keeps per token + the loss's chunk temporaries and head gradient) and the backward of
+             the layer where most is live (what the layers below keep + one recomputed layer + its
+             backward's gradients); per token from the model's shapes, for the kernel set the run uses
+             (`kernels`: torch | liger) and the checkpointing setting
+    safety   SAFETY_FRACTION of M: the headroom kept free of every modeled term
 
-Every number is a model of what DeepSpeed and the step allocate, not a measurement (`plan` says so);
-scheduling/cost.py `bucket_size_from_memory` is the division.
+`loss` and `activation_per_token` of MemoryTerms are the fixed and per-token bytes of the phase that holds
+the most at the run's C (the loss's chunk temporaries, or the LM head's gradient during the backward).
+Every number is a model (`plan` says so); tests/test_memory_model.py measures the per-token terms.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from app.config import ConfigError, SkrullConfig
+from app.profiling.activation import Checkpointing, PassMemory, Phase, kernel_set, model_shape, pass_memory
 from app.profiling.hardware import load_hardware_profile, model_dims
 from scheduling import CostModel, HardwareProfile, bucket_size_from_memory
 
 SAFETY_FRACTION = 0.10
-"""Share of the device memory kept free of the modeled terms (the module docstring says what it covers)."""
+"""Share of the device memory kept free of the modeled terms (the headroom)."""
 REDUCE_BUCKET_ELEMENTS = {True: 5e7, False: 5e5}
 """app/model/deepspeed_config.py's reduce and stage-3 prefetch buckets (on GPU, on CPU), in elements."""
 LORA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -51,7 +50,7 @@ GB = 1e9
 
 @dataclass(frozen=True, slots=True)
 class MemoryTerms:
-    """Bytes per rank (the module docstring's terms) and the C they leave."""
+    """Bytes per rank (the module docstring's terms), the C they leave and the peak at the run's C."""
 
     zero_stage: int
     workers: int
@@ -59,53 +58,86 @@ class MemoryTerms:
     weights: float
     gradients: float
     optimizer: float
-    loss: float
+    runtime: float
     safety: float
-    activation_per_token: float
     recompute: str
-    """What alpha assumes: none | every layer | every n-th layer, with `+ offload`."""
+    """The checkpointing setting modeled: off | every layer | every n-th layer, with ` + offload`."""
+    kernels: str
+    """The kernel set modeled: torch | liger."""
+    activations: PassMemory
+    bucket: int | None = None
+    """The run's C when scheduling.bucket_size is set (None: auto, the derived C)."""
 
     @property
     def static(self) -> float:
         return self.weights + self.gradients + self.optimizer
 
     @property
+    def budget(self) -> float:
+        """What the phases may take: M - safety - static - runtime."""
+        return self.device - self.safety - self.static - self.runtime
+
+    @property
     def tokens(self) -> int:
-        """C; 0 when nothing is left for activations."""
+        """C derived from memory; 0 when nothing is left for activations."""
         try:
-            return bucket_size_from_memory(device_memory_bytes=self.device,
-                                           static_memory_bytes=self.static + self.loss,
-                                           activation_bytes_per_token=self.activation_per_token,
-                                           safety_bytes=self.safety)
+            return min(bucket_size_from_memory(device_memory_bytes=self.budget, static_memory_bytes=p.fixed,
+                                               activation_bytes_per_token=p.per_token)
+                       for p in self.activations.phases)
         except ValueError:
             return 0
 
-    def as_json(self) -> dict[str, float | int | str]:
-        return {**dataclasses.asdict(self), "static": self.static, "tokens": self.tokens}
+    @property
+    def at_tokens(self) -> int:
+        """The C the peak is evaluated at: the run's (set), or the derived one (auto)."""
+        return self.tokens if self.bucket is None else self.bucket
+
+    @property
+    def phase(self) -> Phase:
+        """The phase holding the most at the run's C."""
+        return self.activations.phase_at(self.at_tokens)
+
+    @property
+    def loss(self) -> float:
+        """The peak phase's fixed bytes: the loss's chunk temporaries and head gradient, or (backward) the LM
+        head's gradient."""
+        return self.phase.fixed
+
+    @property
+    def activation_per_token(self) -> float:
+        return self.phase.per_token
+
+    @property
+    def peak_bytes(self) -> float:
+        """The predicted peak at the run's C (safety excluded: it is what stays free)."""
+        return self.static + self.runtime + self.activations.peak(self.at_tokens)
+
+    @property
+    def headroom(self) -> float:
+        return self.device - self.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        """The peak at the run's C leaves at least the safety margin free."""
+        return self.at_tokens >= 1 and self.headroom >= self.safety
+
+    def as_json(self) -> dict[str, object]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "activations"}
+        return {**fields, "static": self.static, "loss": self.loss,
+                "activation_per_token": self.activation_per_token, "tokens": self.tokens,
+                "at_tokens": self.at_tokens, "peak_bytes": self.peak_bytes,
+                "activation_bytes": self.activation_per_token * self.at_tokens, "headroom": self.headroom,
+                "kept_per_token": self.activations.kept_per_token, "peak_phase": self.phase.name,
+                "phases": [p.as_json() for p in self.activations.phases]}
 
     def line(self) -> str:
         """Why C is what it is, in one line."""
         gb = (f"{self.device / GB:.1f} GB device - {self.static / GB:.1f} GB weights, gradients and "
               f"optimizer at ZeRO-{self.zero_stage} over {self.workers} ranks - {self.loss / GB:.1f} GB "
-              f"loss - {self.safety / GB:.1f} GB safety ({SAFETY_FRACTION:.0%})")
-        return f"({gb}) / {self.activation_per_token / 1e3:.1f} KB per token (recompute: {self.recompute})"
-
-
-@dataclass(frozen=True, slots=True)
-class BucketBudget:
-    """The BucketSize a run uses and where it came from."""
-
-    tokens: int
-    source: str
-    """config (scheduling.bucket_size set) | memory (auto: derived here)."""
-    terms: MemoryTerms | None = None
-    """The terms C was derived from (source memory)."""
-
-    def line(self) -> str:
-        if self.terms is None:
-            return f"BucketSize C = {self.tokens:,} tokens per rank (scheduling.bucket_size)"
-        return f"BucketSize C = {self.tokens:,} tokens per rank (scheduling.bucket_size=auto, modeled): " \
-               f"{self.terms.line()}"
+              f"loss - {self.runtime / GB:.1f} GB runtime - {self.safety / GB:.1f} GB safety "
+              f"({SAFETY_FRACTION:.0%})")
+        return (f"({gb}) / {self.activation_per_token / 1e3:.1f} KB per token (recompute: {self.recompute}, "
+                f"kernels: {self.kernels})")
 
 
 def trainable_params(config: SkrullConfig, cost: CostModel) -> float:
@@ -121,26 +153,36 @@ def trainable_params(config: SkrullConfig, cost: CostModel) -> float:
     return float(lora.r * cost.num_layers * sum(sum(shapes[n]) for n in names if n in shapes))
 
 
-def activation_bytes_per_token(config: SkrullConfig, profile: HardwareProfile, cost: CostModel, *,
-                               offload: bool | None = None) -> tuple[float, str]:
-    """alpha of the config's checkpointing setting (offload: None = train.activation_offload), and what
-    it assumes."""
-    train, h, layers = config.train, cost.hidden_size, cost.num_layers
-    full, kept = profile.activation_bytes_per_hidden, profile.checkpoint_bytes_per_hidden
+def kernel_set_of(config: SkrullConfig) -> str:
+    """The kernel set the run's workers use: model.kernels resolved (auto: liger on CUDA when liger-kernel is
+    installed, else torch); torch for a config without that key."""
+    import importlib.util
+
+    chosen = getattr(config.model, "kernels", "torch")
+    if chosen != "auto":
+        return chosen
+    on_gpu = config.resources.gpus_per_worker > 0
+    return "liger" if on_gpu and importlib.util.find_spec("liger_kernel") is not None else "torch"
+
+
+def configured_checkpointing(config: SkrullConfig, offload: bool | None = None) -> Checkpointing:
+    """The train section's setting (offload: None = train.activation_offload; True on a setting without
+    recompute means every layer offloaded). train.activation_checkpointing=auto must be resolved first."""
+    train = config.train
+    if train.activation_checkpointing == "auto":
+        raise ConfigError("train.activation_checkpointing=auto is resolved before the memory of one setting "
+                          "is modeled (app/profiling/budget.py resolve_bucket_size)")
     offload = train.activation_offload if offload is None else offload
-    if not train.activation_checkpointing and not offload:
-        return full * layers * h, "none"
-    every = train.activation_checkpointing_every
-    recomputed = math.ceil(layers / every)
-    saved = 0.0 if offload else kept * recomputed
-    what = "every layer" if every == 1 else f"every {every}th layer"
-    return (full * (layers - recomputed) + saved + full) * h, what + (" + offload" if offload else "")
+    every = train.activation_checkpointing_every if train.activation_checkpointing else (1 if offload else 0)
+    return Checkpointing(every=every, offload=offload)
 
 
 def memory_terms(config: SkrullConfig, *, zero_stage: int | None = None, offload: bool | None = None,
-                 profile: HardwareProfile | None = None) -> MemoryTerms:
-    """The module docstring's terms for `config` (zero_stage / offload / profile: None = the config's;
-    `profile` measures one)."""
+                 profile: HardwareProfile | None = None, kernels: str | None = None,
+                 checkpointing: Checkpointing | None = None) -> MemoryTerms:
+    """The module docstring's terms for `config` (zero_stage / offload / profile / checkpointing / kernels:
+    None = the config's; `kernels`: torch | liger)."""
+    kernels = kernels or kernel_set_of(config)
     profile = profile or load_hardware_profile(config.hardware.profile)
     dims = model_dims(config.model, config.data.tokenizer)
     cost = CostModel.from_model_dims(hidden_size=dims.hidden_size, kv_hidden_size=dims.kv_hidden_size,
@@ -163,56 +205,50 @@ def memory_terms(config: SkrullConfig, *, zero_stage: int | None = None, offload
         weights = (params / workers + persistent + largest + bucket) * element
     gradients = trainable * 4 if stage == 1 else trainable * 4 / workers + 2 * bucket * element
     device = profile.device_memory_bytes / (1 if on_gpu else min(workers, profile.gpus_per_node))
-    alpha, recompute = activation_bytes_per_token(config, profile, cost, offload=offload)
-    loss = config.train.loss_chunk_tokens * vocab * 8 + vocab * h * 4
-    return MemoryTerms(zero_stage=stage, workers=workers, device=device, weights=weights,
-                       gradients=gradients, optimizer=trainable * 12 / workers, loss=loss,
-                       safety=SAFETY_FRACTION * device, activation_per_token=alpha, recompute=recompute)
-
-
-def bucket_budget(config: SkrullConfig) -> BucketBudget:
-    """scheduling.bucket_size as set, or (auto) the C of memory_terms; auto with nothing left for
-    activations is a ConfigError naming the knobs."""
+    setting = checkpointing or configured_checkpointing(config, offload)
+    activations = pass_memory(model_shape(config), kernel_set(kernels), setting,
+                              config.train.loss_chunk_tokens)
     size = config.scheduling.bucket_size
-    if size != "auto":
-        return BucketBudget(tokens=int(size), source="config")
-    terms = memory_terms(config)
-    if terms.tokens < 1:
-        raise ConfigError(
-            f"scheduling.bucket_size=auto: nothing is left for activations on a rank "
-            f"{terms.line()}: set train.zero_stage=3, model.lora.r, train.activation_checkpointing, more "
-            "parallel.num_workers, or scheduling.bucket_size by hand")
-    return BucketBudget(tokens=terms.tokens, source="memory", terms=terms)
+    return MemoryTerms(zero_stage=stage, workers=workers, device=device, weights=weights, gradients=gradients,
+                       optimizer=trainable * 12 / workers, runtime=profile.runtime_memory_bytes,
+                       safety=SAFETY_FRACTION * device, recompute=setting.name, kernels=kernels,
+                       activations=activations, bucket=None if size == "auto" else int(size))
 
 
-def resolve_bucket_size(config: SkrullConfig) -> tuple[SkrullConfig, BucketBudget]:
-    """The config with scheduling.bucket_size an int (auto replaced by the derived C), and its budget."""
-    budget = bucket_budget(config)
-    if config.scheduling.bucket_size == budget.tokens:
-        return config, budget
-    scheduling = dataclasses.replace(config.scheduling, bucket_size=budget.tokens)
-    return dataclasses.replace(config, scheduling=scheduling), budget
-
-
-def memory_table(config: SkrullConfig) -> dict[str, MemoryTerms]:
+def memory_table(config: SkrullConfig, *, kernels: str | None = None) -> dict[str, MemoryTerms]:
     """memory_terms at ZeRO-2 and ZeRO-3, each without and with activation offload (`plan`)."""
-    return {f"zero{stage}{'_offload' if offload else ''}": memory_terms(config, zero_stage=stage,
-                                                                        offload=offload)
+    return {f"zero{stage}{'_offload' if offload else ''}":
+            memory_terms(config, zero_stage=stage, offload=offload, kernels=kernels)
             for stage in (2, 3) for offload in (False, True)}
 
 
-def format_memory_table(table: dict[str, MemoryTerms]) -> str:
-    """The table `plan` prints (GB per rank, modeled)."""
-    header = ("setting", "weights", "grads", "optimizer", "loss", "static", "KB/token", "C tokens")
-    rows = [header]
-    for t in table.values():
-        rows.append((f"ZeRO-{t.zero_stage}, recompute {t.recompute}", f"{t.weights / GB:.1f}",
-                     f"{t.gradients / GB:.1f}", f"{t.optimizer / GB:.1f}", f"{t.loss / GB:.1f}",
-                     f"{t.static / GB:.1f}", f"{t.activation_per_token / 1e3:.1f}",
-                     f"{t.tokens:,}" if t.tokens else "does not fit"))
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    rows = [header, *rows]
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     lines = ["  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(r, widths,
                                                                                              strict=True)))
              for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def format_memory_table(table: dict[str, MemoryTerms]) -> str:
+    """The table `plan` prints (GB per rank, modeled): each setting's terms, the C it leaves and its peak."""
+    header = ("setting", "weights", "grads", "optimizer", "loss", "static", "KB/token", "C tokens", "peak GB")
+    return _table(header, [
+        (f"ZeRO-{t.zero_stage}, recompute {t.recompute}", f"{t.weights / GB:.1f}", f"{t.gradients / GB:.1f}",
+         f"{t.optimizer / GB:.1f}", f"{t.loss / GB:.1f}", f"{t.static / GB:.1f}",
+         f"{t.activation_per_token / 1e3:.1f}", f"{t.tokens:,}" if t.tokens else "does not fit",
+         f"{t.peak_bytes / GB:.1f}") for t in table.values()])
+
+
+def format_terms(terms: MemoryTerms) -> str:
+    """One setting's memory per rank by term at the run's C (`plan`): why C is what it is."""
+    rows = [("weights", terms.weights), ("gradients", terms.gradients), ("optimizer", terms.optimizer),
+            (f"loss ({terms.phase.name} phase)", terms.loss),
+            (f"activations at C = {terms.at_tokens:,} ({terms.activation_per_token / 1e3:.1f} KB/token)",
+             terms.activation_per_token * terms.at_tokens),
+            ("runtime (hardware.profile)", terms.runtime), ("peak", terms.peak_bytes),
+            (f"headroom (>= {SAFETY_FRACTION:.0%} safety kept free)", terms.headroom),
+            ("device", terms.device)]
+    return _table(("term", "GB"), [(name, f"{value / GB:.2f}") for name, value in rows])

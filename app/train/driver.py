@@ -100,10 +100,13 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
 
 
 def _with_bucket_size(config: SkrullConfig, out: TextIO | None) -> SkrullConfig:
-    """scheduling.bucket_size=auto derived from memory (app/profiling/memory.py), said in one line."""
-    from app.profiling.memory import resolve_bucket_size
+    """train.activation_checkpointing=auto chosen by the planner (app/profiling/checkpointing.py) and
+    scheduling.bucket_size=auto derived from memory (app/profiling/memory.py), each said once in a line."""
+    from app.profiling.budget import resolve_bucket_size
 
     resolved, budget = resolve_bucket_size(config)
+    if budget.checkpointing is not None:
+        print(budget.checkpointing.line(), file=out or sys.stderr, flush=True)
     if budget.source == "memory":
         print(budget.line(), file=out or sys.stderr, flush=True)
     return resolved

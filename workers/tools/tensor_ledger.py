@@ -1,9 +1,15 @@
-"""Device memory of one forward+backward by tensor accounting: what activation offload leaves on the device.
+"""Device memory of one forward+backward by tensor accounting: what a forward keeps, its peak, and what
+activation offload leaves on the device.
 
     ledger = DeviceLedger()
     with ledger, offload_counted_as_host(ledger):
         micro_batch_loss_sum(model, batch).backward()
     ledger.peak        bytes: the largest sum of live tensor storages created inside, host copies excluded
+
+    pass_ledger(model, batch) -> PassLedger(kept, peak)
+        kept           bytes created by the forward (the loss included) that are still alive when it
+                       returns: what autograd saved for the backward and what the checkpoints hold
+        peak           the ledger's peak over the forward and the backward
 
 Every storage a dispatched op creates is counted from its creation to its release (a weakref finalizer),
 once per storage (views share theirs). transformers' activation offload (`activation_checkpointing_enable(
@@ -12,8 +18,8 @@ saves for that layer (its inputs) to host memory; on a GPU they then leave the d
 host device and host are one memory, so the allocator or RSS cannot see the difference, and torch's
 save_on_cpu cannot run there as transformers calls it (pinned memory needs an accelerator). The ledger
 therefore swaps transformers' `save_on_cpu` for one that makes the same host copy, unpinned, and counts
-it as host memory: the peak is what the device would hold. Parameters and buffers created before the
-pass are not counted; gradients created during it are.
+it as host memory: the peak is what the device would hold. The model's parameters and buffers are not
+counted (they existed before the pass; `exclude`); gradients created during it are.
 
 Used for the measurement of docs/benchmarks.md and tests/test_memory_model.py; CUDA's own allocator
 counters (workers/tools/profile_memory.py) measure the same on a GPU.
@@ -22,8 +28,9 @@ counters (workers/tools/profile_memory.py) measure the same on a GPU.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +64,12 @@ class DeviceLedger(TorchDispatchMode):
             self._host.discard(key)
         else:
             self.live -= size
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Never count these tensors' storages (a model's parameters and buffers, which a pass reaches
+        through views such as a weight's transpose: they existed before it)."""
+        for tensor in tensors:
+            self._sizes.setdefault(tensor.untyped_storage().data_ptr(), 0)
 
     def mark_host(self, tensor: torch.Tensor) -> None:
         """`tensor`'s storage lives in host memory: no longer counted as device memory."""
@@ -102,6 +115,28 @@ def peak_device_bytes(model: torch.nn.Module, batch: Any, *, loss_chunk_tokens: 
     from workers.forward import micro_batch_loss_sum
 
     ledger = DeviceLedger()
+    ledger.exclude([*model.parameters(), *model.buffers()])
     with ledger, offload_counted_as_host(ledger):
         micro_batch_loss_sum(model, batch, loss_chunk_tokens=loss_chunk_tokens).backward()
     return ledger.peak
+
+
+@dataclass(frozen=True, slots=True)
+class PassLedger:
+    """One forward+backward by the ledger (module docstring)."""
+
+    kept: int
+    peak: int
+
+
+def pass_ledger(model: torch.nn.Module, batch: Any, *, loss_chunk_tokens: int = 4096) -> PassLedger:
+    """What the forward of `batch` (a RankBatch) through the chunked loss keeps, and the pass's peak."""
+    from workers.forward import micro_batch_loss_sum
+
+    ledger = DeviceLedger()
+    ledger.exclude([*model.parameters(), *model.buffers()])
+    with ledger, offload_counted_as_host(ledger):
+        loss = micro_batch_loss_sum(model, batch, loss_chunk_tokens=loss_chunk_tokens)
+        kept = ledger.live
+        loss.backward()
+    return PassLedger(kept=kept, peak=ledger.peak)
