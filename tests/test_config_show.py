@@ -11,7 +11,7 @@ import yaml
 
 from app.__main__ import main
 from app.config import load_config
-from app.profiling.memory import resolve_bucket_size
+from app.profiling.budget import resolve_bucket_size
 
 GPU_CONFIG = "configs/qwen2.5-0.5b-gpu.yaml"
 LATENCY = ("plan_ms", "two_level_plan_ms")
@@ -24,19 +24,24 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 def _modeled(plan: dict) -> dict:
-    """plan --json without what times the planner or says where C came from."""
+    """plan --json without what times the planner or says where C and the checkpointing came from (the
+    shown config has both written down: the same setting, no longer chosen)."""
     def strip(value: object) -> object:
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items() if not k.startswith(LATENCY)}
         return value
-    return {k: strip(v) for k, v in plan.items() if k != "bucket_size_source"}
+    kept = {k: strip(v) for k, v in plan.items() if k not in ("bucket_size_source", "checkpointing")}
+    return kept | {"checkpointing": plan["checkpointing"]["setting"]}
 
 
 def test_the_gpu_config_shows_bucket_size_from_memory_and_plans_the_same_loaded_back(
         capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     shown = _run(capsys, "config", "show", "--config", GPU_CONFIG)
-    _, budget = resolve_bucket_size(load_config(GPU_CONFIG))
+    # data/lmsys is the user's to make: checkpointing=auto models steps over synthetic lengths, and says so
+    _, budget = resolve_bucket_size(load_config(GPU_CONFIG, ["data.source=synthetic"]))
+    assert "because the data cannot be read here (data.path='data/lmsys' does not exist" in shown
+    assert "activation_checkpointing: false  # auto -> memory" in shown  # off fits 80 GB at 43k tokens
     assert budget.source == "memory" and budget.tokens > 0
     assert f"  bucket_size: {budget.tokens}  # auto -> memory\n" in shown
     assert f"scheduling.bucket_size = {budget.tokens} (memory): {budget.line()}" in shown

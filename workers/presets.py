@@ -14,5 +14,12 @@ TINY_DEFAULTS: dict[str, int] = dict(vocab_size=512, hidden_size=64, num_layers=
                                      num_key_value_heads=2, intermediate_size=128)
 
 
+LIGER_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+"""model_type values the liger kernel set covers (workers/kernels: RMSNorm with llama casting, a gated SiLU
+MLP, rotate-half RoPE over the whole head); other families train with the torch set."""
+
+TINY_MODEL_TYPES = {"tiny-qwen2": "qwen2", "tiny-llama": "llama"}
+
+
 def is_tiny_preset(name_or_path: str) -> bool:
     return name_or_path in TINY_PRESETS

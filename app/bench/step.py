@@ -57,7 +57,7 @@ def parse_variant(text: str) -> Variant:
 def variant_configs(config_path: str | None, sets: list[str], variants: list[Variant],
                     on_gpu: bool) -> list[tuple[str, SkrullConfig]]:
     """Each variant's config (--set, then the variant's overrides, then one device), bucket_size derived."""
-    from app.profiling.memory import resolve_bucket_size
+    from app.profiling.budget import resolve_bucket_size
 
     device_set = [f"resources.gpus_per_worker={1 if on_gpu else 0}"]
     if on_gpu:
@@ -115,12 +115,11 @@ def step_payloads(config: SkrullConfig, steps: int) -> tuple[Any, ...]:
 
 
 def predicted_peak_bytes(config: SkrullConfig) -> float:
-    """The memory model's peak for one rank at the config's C (app/profiling/memory.py: static + loss +
-    activation bytes per token x C)."""
+    """The memory model's peak for one rank at the config's C and checkpointing setting, with the kernel set
+    the variant's workers run (app/profiling/memory.py `peak_bytes`)."""
     from app.profiling.memory import memory_terms
 
-    terms = memory_terms(config)
-    return terms.static + terms.loss + terms.activation_per_token * config.scheduling.bucket_size
+    return memory_terms(config).peak_bytes
 
 
 def step_variant(name: str, config: SkrullConfig, payloads: tuple[Any, ...], on_gpu: bool) -> Any:

@@ -154,15 +154,24 @@ def trainable_params(config: SkrullConfig, cost: CostModel) -> float:
 
 
 def kernel_set_of(config: SkrullConfig) -> str:
-    """The kernel set the run's workers use: model.kernels resolved (auto: liger on CUDA when liger-kernel is
-    installed, else torch); torch for a config without that key."""
+    """The kernel set the run's workers use: model.kernels resolved as the workers resolve it
+    (workers/kernels resolve_kernels; torch-free here): auto is liger on GPU workers when liger-kernel is
+    installed and the model's family is one it covers, torch under train.compile or otherwise. A family
+    that cannot be read offline counts as torch, whose kernels keep more (the safe side)."""
     import importlib.util
 
-    chosen = getattr(config.model, "kernels", "torch")
+    from app.model.support import model_config_dict
+    from workers.presets import LIGER_FAMILIES, TINY_MODEL_TYPES
+
+    chosen = config.model.kernels
     if chosen != "auto":
         return chosen
-    on_gpu = config.resources.gpus_per_worker > 0
-    return "liger" if on_gpu and importlib.util.find_spec("liger_kernel") is not None else "torch"
+    if config.train.compile or config.resources.gpus_per_worker <= 0:
+        return "torch"
+    family = TINY_MODEL_TYPES.get(config.model.name_or_path) or (
+        model_config_dict(config.model) or {}).get("model_type")
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    return "liger" if installed and family in LIGER_FAMILIES else "torch"
 
 
 def configured_checkpointing(config: SkrullConfig, offload: bool | None = None) -> Checkpointing:

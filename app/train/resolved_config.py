@@ -99,8 +99,31 @@ def _replace(config: SkrullConfig, key: str, value: Any) -> SkrullConfig:
                                                                        **{name: value})})
 
 
+def _checkpointing(config: SkrullConfig, tree: dict[str, Any]) -> tuple[SkrullConfig, Resolution | None]:
+    """train.activation_checkpointing=auto: the planner's choice (app/profiling/checkpointing.py), which
+    models steps over the data's sampled lengths; where the data cannot be read here (a cluster path, data
+    not made yet) over the synthetic data.distribution's, and the line says so."""
+    from app.data import DataError
+    from app.profiling.checkpointing import choose_checkpointing
+
+    if config.train.activation_checkpointing != "auto":
+        return config, None
+    note = ""
+    try:
+        choice = choose_checkpointing(config)
+    except DataError as err:
+        probe = dataclasses.replace(config, data=dataclasses.replace(config.data, source="synthetic"))
+        choice = choose_checkpointing(probe)
+        note = (f"; lengths sampled from the synthetic {config.data.distribution} distribution, because the "
+                f"data cannot be read here ({err})")
+    train = dataclasses.replace(config.train, **choice.chosen.setting.train_values())
+    return (dataclasses.replace(config, train=train),
+            Resolution("train.activation_checkpointing", "auto", train.activation_checkpointing,
+                       "memory", choice.line() + note))
+
+
 def _bucket_size(config: SkrullConfig, tree: dict[str, Any]) -> tuple[SkrullConfig, Resolution]:
-    from app.profiling.memory import resolve_bucket_size
+    from app.profiling.budget import resolve_bucket_size
 
     setting = config.scheduling.bucket_size
     config, budget = resolve_bucket_size(config)
@@ -241,9 +264,11 @@ def _steps(config: SkrullConfig, tree: dict[str, Any]) -> tuple[SkrullConfig, Re
                               "`train` counts after tokenizing and prints")
 
 
-RESOLVERS: tuple[Resolver, ...] = (_run_name, _steps, _bucket_size, _cp_degrees, _max_length, _tokenizer,
-                                   _chat_template, _backend, _attention, _num_cpus, _tokenize_concurrency)
-"""In order: data.max_length needs the resolved BucketSize. One function per key; a new auto key adds one."""
+RESOLVERS: tuple[Resolver, ...] = (_run_name, _steps, _checkpointing, _bucket_size, _cp_degrees, _max_length,
+                                   _tokenizer, _chat_template, _backend, _attention, _num_cpus,
+                                   _tokenize_concurrency)
+"""In order: BucketSize needs the checkpointing setting, data.max_length the resolved BucketSize. One function
+per key; a new auto key adds one."""
 
 
 def show_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> ShownConfig:

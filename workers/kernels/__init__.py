@@ -20,9 +20,7 @@ from typing import Protocol
 
 import torch
 
-KERNEL_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-"""model_type values whose RMSNorm (llama casting), SwiGLU MLP (gate/up/down) and RoPE (rotate-half over
-the whole head) liger's functions reproduce; other families train with the torch set."""
+from workers.presets import LIGER_FAMILIES as KERNEL_FAMILIES
 
 
 class KernelSet(Protocol):
