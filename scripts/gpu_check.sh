@@ -17,13 +17,13 @@
 #   profile  `python -m app profile` of Qwen2.5-0.5B's shape (random weights, synthetic data) on this node's
 #            GPUs (DP 1 x CP = GPUs, at most 8) -> $OUT/gpu.yaml, a hardware profile of this machine
 #   bench    `python -m app bench train` of the same run, with $OUT/gpu.yaml (else configs/hardware/h100.yaml)
-#   speed    the GPU-speed matrix, ~6-8 minutes on one GPU, each part time-boxed and written as it ends:
-#            `bench step` of Qwen2.5-0.5B's shape at C = 16384 over the knobs (today's path; each knob
-#            alone: the device step, liger kernels, torch.compile, no checkpointing; all on, by each fusion
-#            route) -> speed_step.json; `train` with scheduling.bucket_size=auto -> train_auto.json; `train`
-#            as the train stage runs it -> train.json; the CUDA tests of the knobs (tests/test_kernels_cuda.py);
-#            `profile` -> gpu.yaml; `bench peer --device cuda` (TRL in bf16) -> speed_peer.json; all of it in
-#            speed.json. Not part of `all`.
+#   speed    the GPU-speed matrix, ~8-12 minutes on one GPU, each part time-boxed and written as it ends:
+#            `bench step` of Qwen2.5-0.5B's shape at C = 16384 with checkpointing every layer, over the
+#            knobs (today's path; each knob alone: the device step, liger kernels, torch.compile; all on
+#            without checkpointing, by each fusion route) -> speed_step.json; `train` as the train stage runs
+#            it -> train.json; `train` with scheduling.bucket_size=auto -> train_auto.json; `profile` ->
+#            gpu.yaml; the CUDA tests of the knobs (tests/test_kernels_cuda.py); `bench peer --device cuda`
+#            (TRL in bf16) -> speed_peer.json; all of it in speed.json. Not part of `all`.
 #   speed    the GPU-speed matrix, about 6-8 minutes on one GPU, every part time-boxed and written as it ends:
 #            `bench step` of Qwen2.5-0.5B's shape at C = 16384 over the knobs (today's path; each knob alone:
 #            the device step, liger kernels, torch.compile, no checkpointing; all on, by each fusion route)
@@ -287,16 +287,15 @@ stage_bench() {
 
 # speed: the GPU-speed matrix (the header says what): each part in a process of its own under its own time
 # limit, its JSON written as it ends. SKRULL_GPU_CHECK_SPEED_{PARTS,VARIANTS,SET,STEPS} are for the CPU test.
-SPEED_STEPS=${SKRULL_GPU_CHECK_SPEED_STEPS:-4}
-SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-step,train_auto,train,cuda_tests,profile,peer}
-TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false"
+SPEED_STEPS=${SKRULL_GPU_CHECK_SPEED_STEPS:-3}
+SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-step,train,train_auto,profile,cuda_tests,peer}
+TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false,train.activation_checkpointing=true"
 STEP_ON="train.optimizer_impl=fused,train.overlap_comm=auto"
 SPEED_VARIANTS=(
   "today:$TODAY"
   "device_step:$TODAY,$STEP_ON"
   "liger:$TODAY,model.kernels=liger"
   "compile:$TODAY,train.compile=true"
-  "no_ckpt:$TODAY,train.activation_checkpointing=false"
   "all_liger:$STEP_ON,model.kernels=liger,train.compile=false,train.activation_checkpointing=false"
   "all_compile:$STEP_ON,model.kernels=torch,train.compile=true,train.activation_checkpointing=false"
 )
@@ -341,13 +340,14 @@ stage_speed() {
   need_cuda
   rm -f "$OUT/speed_parts.txt"
   touch "$OUT/speed_parts.txt"
-  part step 300 speed_step
-  part train_auto 160 train TRAIN_NAME=train_auto \
+  # In the order of what matters most: a device call of 10 minutes may end before the last parts.
+  part step 230 speed_step
+  part train 150 train TRAIN_NAME=train
+  part train_auto 150 train TRAIN_NAME=train_auto \
     SKRULL_GPU_CHECK_TRAIN_SET="${SKRULL_GPU_CHECK_TRAIN_SET:-} scheduling.bucket_size=auto"
-  part train 160 train TRAIN_NAME=train
-  part cuda_tests 90 speed_tests
-  part profile 150 profile
-  part peer 200 speed_peer
+  part profile 120 profile
+  part cuda_tests 60 speed_tests
+  part peer 180 speed_peer
   "$py" - "$OUT" <<'EOF'
 """speed.json: every part's exit status and seconds, and the JSON each wrote."""
 import json

@@ -51,3 +51,26 @@ def test_bench_step_json_on_the_tiny_config(tmp_path: Path, capsys) -> None:
     # The same global batches from the same weights: micro-batching and the optimizer's implementation change
     # the order of sums, not the math (fp32).
     assert fused["losses"] == pytest.approx(today["losses"], rel=1e-5)
+
+
+def test_a_variant_that_fails_leaves_the_others_measured(monkeypatch, capsys) -> None:
+    """One variant that cannot run (here its engine build raises, as a kernel the machine lacks would) is
+    reported with its error and the command exits 1; the other variants are still measured."""
+    import workers.tools.step_bench as step_bench
+    from app.__main__ import main
+
+    build = step_bench._build
+
+    def failing(variant, device, seed):
+        if variant.name == "broken":
+            raise RuntimeError("no such kernel here")
+        return build(variant, device, seed)
+
+    monkeypatch.setattr(step_bench, "_build", failing)
+    code = main(["bench", "step", *TINY, "--variant", "ok:train.optimizer_impl=fused",
+                 "--variant", "broken:train.optimizer_impl=foreach", "--steps", "1", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1
+    assert result["variants"]["broken"]["error"] == "RuntimeError: no such kernel here"
+    assert result["variants"]["ok"]["tokens_per_s"] > 0
+    assert result["speedup_vs_first"] == {"ok": 1.0, "broken": None}

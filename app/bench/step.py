@@ -141,7 +141,12 @@ def step_variant(name: str, config: SkrullConfig, payloads: tuple[Any, ...], on_
 
 def summarize(name: str, config: SkrullConfig, result: dict[str, Any], payloads: tuple[Any, ...],
               warmup: int) -> dict[str, Any]:
-    """One variant's summary over its counted steps (warm-up steps left out)."""
+    """One variant's summary over its counted steps (warm-up steps left out); a variant that failed: its
+    error and settings."""
+    if "error" in result:
+        return {"error": result["error"], "bucket_size": config.scheduling.bucket_size,
+                "compile": config.train.compile, "kernels": config.model.kernels,
+                "predicted_peak_bytes": predicted_peak_bytes(config)}
     readings = result["readings"][warmup:]
     counted = payloads[warmup:]
     seconds = sum(r.step_s for r in readings)
@@ -164,10 +169,14 @@ def summarize(name: str, config: SkrullConfig, result: dict[str, Any], payloads:
     }
 
 
-def speedups(summaries: dict[str, dict[str, Any]], warmup: int) -> dict[str, float]:
-    """Per variant: median over counted steps of (first variant's step time / its own), same batches."""
-    first = next(iter(summaries.values()))["step_times"][warmup:]
-    return {name: statistics.median(a / b for a, b in zip(first, s["step_times"][warmup:], strict=True))
+def speedups(summaries: dict[str, dict[str, Any]], warmup: int) -> dict[str, float | None]:
+    """Per variant: median over counted steps of (first variant's step time / its own), same batches (None
+    where either failed)."""
+    first = next(iter(summaries.values())).get("step_times")
+    if first is None:
+        return dict.fromkeys(summaries)
+    return {name: statistics.median(a / b for a, b in zip(first[warmup:], s["step_times"][warmup:],
+                                                          strict=True)) if "step_times" in s else None
             for name, s in summaries.items()}
 
 

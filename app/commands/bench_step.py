@@ -35,6 +35,10 @@ def _gb(value: float | None) -> str:
     return "-" if value is None else f"{value / 1e9:.2f} GB"
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}x"
+
+
 def _print(result: dict) -> None:
     print(f"bench step on {result['device']}: {result['steps']} counted steps per variant (after "
           f"{result['warmup_steps']} warm-up), interleaved; tokens per step "
@@ -43,11 +47,16 @@ def _print(result: dict) -> None:
               f"{'gap s':>7} {'mb/step':>7} {'peak':>9} {'model':>9} {'vs first':>8}")
     print(header)
     for name, v in result["variants"].items():
+        if "error" in v:
+            print(f"{name:<14} failed: {v['error']}")
+            continue
         print(f"{name:<14} {v['tokens_per_s']:>10,.0f} {v['mfu']:>6.3f} {v['step_s']:>8.4f} "
               f"{v['micro_batch_s']:>9.4f} {v['optimizer_s']:>8.4f} {v['gap_s']:>7.4f} "
               f"{v['micro_batches']:>7.1f} {_gb(v['peak_bytes']):>9} {_gb(v['predicted_peak_bytes']):>9} "
-              f"{result['speedup_vs_first'][name]:>7.3f}x")
+              f"{_ratio(result['speedup_vs_first'][name]):>8}")
     for name, v in result["variants"].items():
+        if "error" in v:
+            continue
         print(f"  {name}: kernels {v['kernels']}, {v['optimizer']}, compile {v['compile']}, "
               f"checkpointing {v['activation_checkpointing']}, C {v['bucket_size']:,}")
         for op in v.get("top_ops") or []:
@@ -64,4 +73,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         _print(result)
-    return 0
+    return 1 if any("error" in v for v in result["variants"].values()) else 0

@@ -88,20 +88,45 @@ def bench_steps(variants: list[StepVariant], *, device: torch.device, seed: int 
     owns_group = not dist.is_initialized()
     if owns_group:
         _init_single_rank(device)
+    failed: dict[str, str] = {}
     try:
-        live = [_build(v, device, seed) for v in variants]
+        live = [entry for v in variants if (entry := _guarded(failed, v.name, _build, v, device, seed))]
         steps = len(variants[0].payloads)
         for step in range(steps):
-            shift = step % len(live)
+            shift = step % max(len(live), 1)
             for entry in live[shift:] + live[:shift]:
-                entry.readings.append(_timed_step(entry, step, device))
+                reading = _guarded(failed, entry.variant.name, _timed_step, entry, step, device)
+                if reading is None:
+                    _drop(live, entry)
+                else:
+                    entry.readings.append(reading)
         traces = {e.variant.name: _trace(e, device, trace_dir) for e in live} if trace_dir else {}
-        return {e.variant.name: {"readings": e.readings, "kernels": e.engine.module.skrull_kernels,
-                                 "optimizer": _optimizer_name(e.engine),
-                                 "top_ops": traces.get(e.variant.name)} for e in live}
+        return {**{e.variant.name: {"readings": e.readings, "kernels": e.engine.module.skrull_kernels,
+                                    "optimizer": _optimizer_name(e.engine),
+                                    "top_ops": traces.get(e.variant.name)} for e in live},
+                **{name: {"error": error} for name, error in failed.items()}}
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+def _guarded(failed: dict[str, str], name: str, call: Any, *args: Any) -> Any:
+    """call(*args), or None with the variant's error recorded: one variant that cannot run (a kernel the
+    machine lacks, a compile error, out of memory) leaves the others measured."""
+    try:
+        return call(*args)
+    except Exception as err:  # any failure of one variant; the run goes on without it
+        failed[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        print(f"[skrull] bench step: variant {name} failed: {failed[name]}", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
+
+
+def _drop(live: list[_Live], entry: _Live) -> None:
+    """Take a failed variant out of the rotation and free its engine's memory."""
+    live.remove(entry)
+    entry.engine = None
 
 
 def _init_single_rank(device: torch.device) -> None:
