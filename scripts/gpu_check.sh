@@ -17,21 +17,13 @@
 #   profile  `python -m app profile` of Qwen2.5-0.5B's shape (random weights, synthetic data) on this node's
 #            GPUs (DP 1 x CP = GPUs, at most 8) -> $OUT/gpu.yaml, a hardware profile of this machine
 #   bench    `python -m app bench train` of the same run, with $OUT/gpu.yaml (else configs/hardware/h100.yaml)
-#   speed    the GPU-speed matrix, ~8-12 minutes on one GPU, each part time-boxed and written as it ends:
-#            `bench step` of Qwen2.5-0.5B's shape at C = 16384 with checkpointing every layer, over the
-#            knobs (today's path; each knob alone: the device step, liger kernels, torch.compile; all on
-#            without checkpointing, by each fusion route) -> speed_step.json; `train` as the train stage runs
-#            it -> train.json; `train` with scheduling.bucket_size=auto -> train_auto.json; `profile` ->
-#            gpu.yaml; the CUDA tests of the knobs (tests/test_kernels_cuda.py); `bench peer --device cuda`
-#            (TRL in bf16) -> speed_peer.json; all of it in speed.json. Not part of `all`.
-#   speed    the GPU-speed matrix, about 6-8 minutes on one GPU, every part time-boxed and written as it ends:
-#            `bench step` of Qwen2.5-0.5B's shape at C = 16384 over the knobs (today's path; each knob alone:
-#            the device step, liger kernels, torch.compile, no checkpointing; all on, by each fusion route)
-#            -> speed_step.json; `train` with the config's defaults (scheduling.bucket_size=auto) ->
-#            train_auto.json; `train` as the train stage runs it -> train.json; `profile` -> gpu.yaml;
-#            `bench peer --device cuda` (TRL in bf16 beside this project) -> speed_peer.json; the CUDA
-#            tests of the knobs (liger against transformers' modules, a step without host sync); all of it
-#            in speed.json. Not part of `all`.
+#   speed    the GPU-speed matrix, ~9 minutes on one GPU, each part time-boxed and written as it ends:
+#            `bench step` of Qwen2.5-0.5B's shape at C = 16384 over the knobs (today's path, checkpointing
+#            every layer; each knob alone: the device step, liger kernels, torch.compile; all on without
+#            checkpointing) -> speed_step.json; `profile` -> gpu.yaml; `train` with the config's defaults
+#            (bucket_size and checkpointing auto, the train stage's rows) -> train_auto.json; the CUDA tests
+#            of the knobs (tests/test_kernels_cuda.py); `bench peer --device cuda` (TRL in bf16) ->
+#            speed_peer.json; all of it in speed.json. Not part of `all`.
 #   all      every stage in that order, stopping at the first that fails; install is skipped when torch,
 #            ray and deepspeed already import in the stages' python
 # Without CUDA it fails at once, saying so.
@@ -68,6 +60,8 @@ pick_python() {  # unless given: the active python3 with the stack, else ./.venv
 pick_python
 export OUT=${OUT:-$(mktemp -d -t skrull-gpu-check-XXXXXX)}
 mkdir -p "$OUT"
+# Where the stages' runs (and their checkpoints, gigabytes for the 0.5B shape) go; $OUT/runs by default.
+export RUNS=${SKRULL_GPU_CHECK_RUNS:-$OUT/runs}
 limit=${SKRULL_STAGE_TIMEOUT_S:-600}
 
 fail() { echo "gpu_check $stage: $*" >&2; exit 1; }
@@ -118,7 +112,7 @@ node_run() {  # NODE_RUN: the 0.5B GPU config on this node, DP 1 x CP = GPUs (at
   NODE_RUN=(--config configs/qwen2.5-0.5b-gpu.yaml "${QWEN05[@]}" --set data.source=synthetic
     --set data.num_samples=512 --set parallel.num_workers="$cp" --set parallel.cp_size="$cp"
     --set scheduling.global_batch_size=64 --set scheduling.bucket_size=16384
-    --set resources.cpus_per_worker=1 --set run.storage_path="$OUT/runs")
+    --set resources.cpus_per_worker=1 --set run.storage_path="$RUNS")
 }
 
 stage_install() {
@@ -190,9 +184,9 @@ stage_train() {
     --set data.distribution=lmsys --set data.num_samples=$((64 * TRAIN_STEPS)) --set parallel.num_workers=1
     --set parallel.cp_size=1 --set scheduling.global_batch_size=64 --set scheduling.bucket_size=16384
     --set train.steps=$TRAIN_STEPS --set hardware.profile="$profile" --set resources.cpus_per_worker=1
-    --set run.storage_path="$OUT/runs" --set run.name="$name")
+    --set run.storage_path="$RUNS" --set run.name="$name")
   for override in "${overrides[@]}"; do run+=(--set "$override"); done
-  rm -rf "${OUT:?}/runs/$name"  # a re-run trains afresh: the finished run would otherwise be resumed
+  rm -rf "${RUNS:?}/$name"  # a re-run trains afresh: the finished run would otherwise be resumed
   # An embedded Ray of its own (no RAY_ADDRESS): the product's path on this node alone.
   run_json "${name}_run" env -u RAY_ADDRESS "$py" -m app train "${run[@]}" --json || return 1
   "$py" - "$OUT/${name}_run.json" "$OUT/$name.json" <<'EOF'
@@ -288,16 +282,16 @@ stage_bench() {
 # speed: the GPU-speed matrix (the header says what): each part in a process of its own under its own time
 # limit, its JSON written as it ends. SKRULL_GPU_CHECK_SPEED_{PARTS,VARIANTS,SET,STEPS} are for the CPU test.
 SPEED_STEPS=${SKRULL_GPU_CHECK_SPEED_STEPS:-3}
-SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-step,train,train_auto,profile,cuda_tests,peer}
-TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false,train.activation_checkpointing=true"
+SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-step,profile,train_auto,cuda_tests,peer}
+TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false"
+TODAY="$TODAY,train.activation_checkpointing=true"  # the path before these knobs: C = 16384 recomputed
 STEP_ON="train.optimizer_impl=fused,train.overlap_comm=auto"
 SPEED_VARIANTS=(
   "today:$TODAY"
   "device_step:$TODAY,$STEP_ON"
   "liger:$TODAY,model.kernels=liger"
   "compile:$TODAY,train.compile=true"
-  "all_liger:$STEP_ON,model.kernels=liger,train.compile=false,train.activation_checkpointing=false"
-  "all_compile:$STEP_ON,model.kernels=torch,train.compile=true,train.activation_checkpointing=false"
+  "all:$STEP_ON,model.kernels=liger,train.compile=false,train.activation_checkpointing=false"
 )
 speed_sets() {  # the 0.5B shape on synthetic LMSYS-like data, then the test's overrides
   local extra=() v
@@ -318,7 +312,7 @@ stage_speed_step() {
 stage_speed_peer() {
   need_cuda
   speed_sets --set data.num_samples=192 --set data.shuffle=false --set parallel.num_workers=1 \
-    --set parallel.cp_size=1 --set resources.cpus_per_worker=1 --set run.storage_path="$OUT/runs"
+    --set parallel.cp_size=1 --set resources.cpus_per_worker=1 --set run.storage_path="$RUNS"
   run_json speed_peer "$py" -m app bench peer "${SETS[@]}" --device cuda --steps 2 --rounds 1 --json
 }
 stage_speed_tests() {
@@ -335,21 +329,31 @@ part() {  # part NAME LIMIT_S STAGE [ENV=VALUE ...]: one part as `gpu_check.sh S
   rc=$?
   echo "$name $rc $(( $(date +%s) - started ))" >> "$OUT/speed_parts.txt"
   echo "gpu_check speed: $name exit $rc after $(( $(date +%s) - started )) s"
+  speed_summary >/dev/null
 }
 stage_speed() {
   need_cuda
   rm -f "$OUT/speed_parts.txt"
   touch "$OUT/speed_parts.txt"
-  # In the order of what matters most: a device call of 10 minutes may end before the last parts.
-  part step 230 speed_step
-  part train 150 train TRAIN_NAME=train
-  part train_auto 150 train TRAIN_NAME=train_auto \
-    SKRULL_GPU_CHECK_TRAIN_SET="${SKRULL_GPU_CHECK_TRAIN_SET:-} scheduling.bucket_size=auto"
+  # In the order of what matters most: a device call of 10 minutes may end before the last parts. The
+  # train stage as written (C = 16384) is `gpu_check.sh train` (or SKRULL_GPU_CHECK_SPEED_PARTS=...,train).
+  part step 240 speed_step
   part profile 120 profile
+  # The train stage's run with the config's defaults (C and checkpointing from memory, on this GPU's
+  # profile when `profile` wrote one): the same rows, cut at the train stage's 16384 tokens, so that the
+  # one GPU need not hold the config's 131072-token maximum.
+  part train_auto 150 train TRAIN_NAME=train_auto \
+    SKRULL_GPU_CHECK_TRAIN_SET="${SKRULL_GPU_CHECK_TRAIN_SET:-} scheduling.bucket_size=auto data.max_length=16384"
+  part train 150 train TRAIN_NAME=train
   part cuda_tests 60 speed_tests
   part peer 180 speed_peer
+  speed_summary
+  [ -z "$(awk '$2 != 0' "$OUT/speed_parts.txt")" ]
+}
+speed_summary() {  # speed.json from what the parts wrote so far (rewritten after every part)
   "$py" - "$OUT" <<'EOF'
-"""speed.json: every part's exit status and seconds, and the JSON each wrote."""
+"""speed.json: every part's exit status and seconds, the JSON each wrote, the profile, and the end of each
+part's output (one file holds it all: a lent machine may give back only a few files)."""
 import json
 import sys
 from pathlib import Path
@@ -363,14 +367,16 @@ result = {"parts": parts}
 for key, file in (("bench_step", "speed_step.json"), ("train_auto", "train_auto.json"),
                   ("train", "train.json"), ("peer", "speed_peer.json")):
     try:
-        result[key] = json.loads((out / file).read_text()) if key in parts or key == "bench_step" else None
+        result[key] = json.loads((out / file).read_text())
     except (OSError, ValueError):
         result[key] = None
-result["profile"] = str(out / "gpu.yaml") if (out / "gpu.yaml").exists() else None
+profile = out / "gpu.yaml"
+result["profile"] = profile.read_text() if profile.exists() else None
+result["output_tails"] = {f.name: f.read_text(errors="replace")[-4000:]
+                          for pattern in ("*.err", "*.log") for f in sorted(out.glob(pattern))}
 (out / "speed.json").write_text(json.dumps(result, indent=1) + "\n")
 failed = [name for name, p in parts.items() if p["exit"] != 0]
 print(f"speed.json: {out / 'speed.json'}" + (f" (failed: {', '.join(failed)})" if failed else ""))
-sys.exit(1 if failed else 0)
 EOF
 }
 

@@ -3,8 +3,10 @@
 The first micro-batch of a run pays for what later ones reuse: the CUDA caching allocator's segments
 (a first micro-batch of C tokens grows them to the size every later one needs), cuBLAS / Triton autotuning,
 torch.compile's graphs for a dynamic token count, lazy initializations in the libraries. Run once, before
-step 1, as a real micro-batch of `tokens` random tokens on every rank (one whole local sequence each, no
-ring: the CP ranks need not agree on a layout), its loss multiplied by 0: its backward goes through
+step 1, as a real micro-batch of `tokens` random tokens on every rank (local sequences of at most
+SEQUENCE_TOKENS each, no ring: the CP ranks need not agree on a layout; short sequences because attention
+is quadratic in a sequence's length: a C of 600k tokens as one sequence would take minutes), its loss
+multiplied by 0: its backward goes through
 DeepSpeed's gradient reduction like any micro-batch (every rank runs it, so ZeRO's collectives match) and
 adds exact zeros to the gradient the first step then accumulates. No optimizer step, no metrics, no laps:
 the online calibration never sees it.
@@ -20,6 +22,9 @@ from workers.batch import build_rank_batch
 from workers.distributed import ParallelGroups
 from workers.step import engine_loss_sum
 
+SEQUENCE_TOKENS = 4096
+"""The warm-up's longest sequence: long enough for the attention kernel's large-block paths."""
+
 
 def warm_up(engine: object, groups: ParallelGroups, device: torch.device, *, tokens: int,
             loss_chunk_tokens: int) -> None:
@@ -28,9 +33,13 @@ def warm_up(engine: object, groups: ParallelGroups, device: torch.device, *, tok
         return
     cp_rank, cp_size = (0, 1) if groups.is_spare else (groups.cp_rank, groups.cp_size)
     vocab = engine.module.get_input_embeddings().num_embeddings
-    ids = np.random.default_rng(0).integers(0, vocab, size=tokens, dtype=np.int64)
-    plan = DacpPlan(local=tuple((0,) if r == cp_rank else () for r in range(cp_size)), distributed=())
-    batch = build_rank_batch(plan, [ids], [ids], cp_rank=cp_rank, cp_size=cp_size).to(device)
+    rng = np.random.default_rng(0)
+    lengths = [SEQUENCE_TOKENS] * (tokens // SEQUENCE_TOKENS) + ([tokens % SEQUENCE_TOKENS] if tokens %
+                                                                 SEQUENCE_TOKENS else [])
+    ids = [rng.integers(0, vocab, size=n, dtype=np.int64) for n in lengths]
+    mine = tuple(range(len(ids)))
+    plan = DacpPlan(local=tuple(mine if r == cp_rank else () for r in range(cp_size)), distributed=())
+    batch = build_rank_batch(plan, ids, ids, cp_rank=cp_rank, cp_size=cp_size).to(device)
     engine.set_gradient_accumulation_boundary(False)
     loss = engine_loss_sum(engine, batch, runtime=groups.attention, loss_chunk_tokens=loss_chunk_tokens)
     engine.backward(loss * 0.0, scale_wrt_gas=False)

@@ -24,6 +24,7 @@ the first): the peak the variant would reach alone.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -100,6 +101,8 @@ def bench_steps(variants: list[StepVariant], *, device: torch.device, seed: int 
                     _drop(live, entry)
                 else:
                     entry.readings.append(reading)
+            _progress(f"step {step + 1}/{steps}: " + ", ".join(
+                f"{e.variant.name} {e.readings[-1].step_s:.3f} s" for e in live if e.readings))
         traces = {e.variant.name: _trace(e, device, trace_dir) for e in live} if trace_dir else {}
         return {**{e.variant.name: {"readings": e.readings, "kernels": e.engine.module.skrull_kernels,
                                     "optimizer": _optimizer_name(e.engine),
@@ -143,15 +146,25 @@ def _allocated(device: torch.device) -> float:
     return float(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0.0
 
 
+def _progress(line: str) -> None:
+    """One line on stderr as the measurement goes (a long run shows where its time goes)."""
+    print(f"[bench step] {line}", file=sys.stderr, flush=True)
+
+
 def _build(variant: StepVariant, device: torch.device, seed: int) -> _Live:
+    started = time.perf_counter()
     before = _allocated(device)
     groups = ParallelGroups.create(1, device=device, attention_backend=variant.attention_backend)
     zero = ZeroGroups.create(timedelta(minutes=30))
     engine = build_engine(variant.model, variant.deepspeed, device, seed, zero,
                           overlap_comm=variant.overlap_comm)
+    built = time.perf_counter()
     warm_up(engine, groups, device, tokens=variant.warmup_tokens, loss_chunk_tokens=variant.loss_chunk_tokens)
     synchronize(device)
-    return _Live(variant=variant, engine=engine, groups=groups, resident=_allocated(device) - before)
+    live = _Live(variant=variant, engine=engine, groups=groups, resident=_allocated(device) - before)
+    _progress(f"{variant.name}: engine built in {built - started:.1f} s ({engine.module.skrull_kernels} "
+              f"kernels, {_optimizer_name(engine)}), warm-up micro-batch {time.perf_counter() - built:.1f} s")
+    return live
 
 
 def _activate(entry: _Live) -> None:
