@@ -207,3 +207,17 @@ def test_the_checkpointing_switch_is_the_installed_transformers_own() -> None:
     assert _checkpointing_field(Older) == "gradient_checkpointing"
     assert _checkpointing_field(Newer) == "activation_checkpointing"
     assert _checkpointing_field(SFTConfig) in {field.name for field in dataclasses.fields(SFTConfig)}
+
+
+def test_device_cuda_without_a_gpu_is_refused_before_anything_runs(capsys) -> None:
+    """--device cuda puts both sides on GPUs in bf16; without one it is exit 2 at once."""
+    import torch
+
+    from app.__main__ import main
+    from app.bench.peer.trl_side import trl_attention
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the refusal is for machines without one")
+    assert main(["bench", "peer", "--device", "cuda", "--steps", "1"]) == 2
+    assert "bench peer --device cuda: no CUDA device is visible to torch" in capsys.readouterr().err
+    assert trl_attention("cpu") == "sdpa"
