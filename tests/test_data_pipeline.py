@@ -97,7 +97,7 @@ def test_scan_counts_and_too_long_policies(local_ray, formats) -> None:
     result = scan(config(*base))
     assert result.num_rows == len(rows) and result.lengths.tolist() == ok_lengths
     assert result.counts == {"ok": len(ok_lengths), "empty": 1, "malformed": 2, "truncated": 0,
-                             "truncated_empty": 0, "dropped": 0, "too_long": 0}
+                             "truncated_empty": 0, "dropped": 0, "too_long": 0, "excluded": 0}
     ref = tokenize_rows(rows, load_tokenizer("qwen"), TemplateSettings())
     assert result.label_tokens == sum(ref.label_tokens) > 0
     assert result.summary().startswith(f"data: {len(ok_lengths)}/{len(rows)} rows usable, {sum(ok_lengths)} "

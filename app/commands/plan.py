@@ -32,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
         plot_ranks(runs, args.plot)
     if args.json:
         # "policies" first and unchanged: scripts read it; "too_long" says what data.too_long changed,
-        # "data" what the rows read were (by row format, malformed by reason), "cp_degrees" the configured
+        # "data" what the rows read were (by row format, malformed by reason; with data.sources "sources":
+        # {id: {"rows", "tokens", "share"}}, the mix of those rows), "cp_degrees" the configured
         # CP degrees against [1, N] and dynamic_cp (app/profiling/plan_report.py degree_summary)
         # "bucket_size" the C planned with, "bucket_size_source" config | memory (bucket_size=auto),
         # "memory" the modeled bytes per rank at ZeRO-2 and ZeRO-3, without and with activation offload
@@ -49,6 +50,10 @@ def run(args: argparse.Namespace) -> int:
           f"{cost.micro_batch_overhead_s(par.dp_size * par.cp_size) * 1e3:.1f} ms "
           "(modeled times, not measurements)")
     print(budget.line())
+    if read.get("sources"):
+        from app.data.scan import describe_sources
+
+        print(f"data.sources over the {read['rows']} rows read: {describe_sources(read['sources'])}")
     if too_long.line():
         print(too_long.line())
     print(format_table(summary))
