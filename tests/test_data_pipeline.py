@@ -200,3 +200,30 @@ def test_ray_data_defaults_keep_the_users_setting() -> None:
     environ = {"RAY_DATA_METADATA_PREFETCH_ON_THREAD": "1"}
     apply_ray_data_defaults(environ)
     assert environ == {"RAY_DATA_METADATA_PREFETCH_ON_THREAD": "1"}
+
+
+def test_a_mix_on_ray_is_the_stream_the_preview_shows(local_ray, tmp_path) -> None:
+    """data.sources (issue 55): three files of three row formats read on Ray (each row's file in `path`, the
+    reads unioned, one tokenize map of two tasks) give the planner, through the weighted interleave, the
+    rows `data preview` shows, in its order; the scan's shares are the weights'."""
+    from app.data.preview import preview_rows
+    from app.data.sources import mix_spec
+    from scheduling.actor import read_row_table
+    from scheduling.mix import stream_rows
+    from tests.test_data_mix import mix_overrides, write_sources
+
+    paths = write_sources(tmp_path / "mix", scale=0.2)
+    cfg = load_config(None, mix_overrides(paths, "data.tokenize_batch_size=32"))
+    data = resolve_data(cfg.data, max_length=cfg.max_sequence_length)
+    dataset = tokenized_dataset(data, num_cpus=cfg.resources.data_cpus, tasks=2).materialize()
+    result = scan_dataset(dataset, cfg.data, max_length=cfg.max_sequence_length)
+    shares = {name: s["share"] for name, s in result.sources.items()}
+    assert shares == {"chat": 0.6, "share": 0.2, "alpaca": 0.2}
+    table = read_row_table(dataset)
+    stream = stream_rows(table.source_codes, table.source_names, tuple(e.source_id for e in cfg.data.sources),
+                         mix_spec(cfg.data))
+    shown, _ = preview_rows(cfg, 100)
+    for position, row in enumerate(shown):
+        ids, labels = table.tokens(int(stream.table_rows[position]))
+        source = table.source_names[table.source_codes[int(stream.table_rows[position])]]
+        assert (source, ids.tolist(), labels.tolist()) == (row.source, row.input_ids, row.labels), position
