@@ -264,7 +264,8 @@ class DataConfig:
     truncate_side: Literal["left", "right"] = field(default="left", metadata=MATH)
     """With too_long=truncate, which end to cut: left drops the oldest context and keeps the last answer."""
     tokenize_batch_size: int = 64
-    """Rows per map_batches call in the Ray Data tokenizer."""
+    """Rows per tokenize call at least (the Ray Data map gets whole blocks and tokenizes them a slice at a
+    time; short rows go in slices of ~256 KiB of input: app/data/ray_ops.py slice_rows)."""
     tokenize_concurrency: int | Literal["auto"] = "auto"
     """Ray Data tokenize tasks at once (resources.data_cpus each): auto = the CPUs the training reservation
     leaves (app/data/concurrency.py), or a number. The row order never depends on it."""

@@ -56,13 +56,13 @@ def test_readers_tokenize_in_order(local_ray, formats, fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["jsonl", "hf"])
 def test_several_tokenize_tasks_keep_the_order_of_one(local_ray, formats, fmt: str, monkeypatch) -> None:
-    """Three tasks at once (the jsonl read split by Ray Data, the in-memory hf table repartitioned into
-    blocks of 4 rows) hand on exactly the rows of a single-task run, row by row."""
+    """Three tasks at once (blocks of ~1 kB: the jsonl read split by Ray Data, the in-memory hf table
+    repartitioned) hand on exactly the rows of a single-task run, row by row."""
     import re
 
     from app.data import pipeline
 
-    monkeypatch.setattr(pipeline, "TOKENIZE_BLOCK_ROWS", 4)
+    monkeypatch.setattr(pipeline, "BLOCK_BYTES", 1000)
     _, paths = formats
     cfg = config("data.source=path", f"data.path={paths[fmt]}")
     data = resolve_data(cfg.data, max_length=cfg.max_sequence_length)

@@ -2,7 +2,8 @@
 
     data.source=path        read_parquet(files) | read_text(jsonl files) | from_arrow(load_from_disk)
     data.source=hf          from_arrow(load_dataset(data.path, data.name, data.split, data.data_files))
-                            [-> repartition(TOKENIZE_BLOCK_ROWS rows a block): from_arrow, several tasks]
+                            [-> repartition: from_arrow, several tasks]
+                            blocks sized by bytes (block_counts: BLOCK_BYTES a block, >= 2 per task)
     data.sources            each source read as above (its file in a `path` column), [-> limit(its take)],
                             union of them all
                             -> map_batches(tokenize): one map, so data.tokenize_concurrency holds for the mix
@@ -49,10 +50,19 @@ from app.data.resolved import ResolvedData
 from app.data.sources import ResolvedSource
 from app.data.template import TemplateSettings
 
-TOKENIZE_BLOCK_ROWS = 1024
-"""Rows per block of a `datasets` source when several tokenize tasks run: ~1 s of work for LMSYS-like
-chats (~1,400 rows/s a core, measured 2026-11-26), so a task's start-up is a small part of it and the last
-blocks leave no task idle for long."""
+BLOCK_BYTES = 2 << 20
+"""Input bytes a tokenize block holds (~1 s of one core's work on JSON chats: ~2 MB/s with a Llama-3-style
+tokenizer, 2026-11-28). A block costs a fixed ~0.07 s beside its rows (Ray Data's executor waits up to 0.1 s
+for its tasks before it starts the next one; measured on 2 cores, 20,000 ~150-token chats, two tasks, warm:
+2 or 4 blocks 3.45 s, 8 blocks 3.71 s, 16 blocks 3.89 s), so blocks sized by their bytes keep that small on
+short rows, where Ray Data's own read split (2 x CPUs blocks at least) made blocks of ~0.7 s; on larger
+files the blocks stay small enough that a long row (Ray Data splits a file into blocks of equal row counts)
+leaves no task idle for long."""
+BLOCKS_PER_TASK = 2
+"""At least this many blocks per tokenize task: rows of unequal length make equal row counts unequal work,
+and a second block per task evens the tail."""
+PARQUET_EXPANSION = 3
+"""Decoded bytes per Parquet byte, the estimate a block count is sized by (text compresses ~3x)."""
 
 
 def tokenized_dataset(data: ResolvedData, *, num_cpus: float, tasks: int = 1,
@@ -95,20 +105,46 @@ def tokenized_dataset(data: ResolvedData, *, num_cpus: float, tasks: int = 1,
 
 
 def sources_dataset(sources: tuple[ResolvedSource, ...], tasks: int) -> Any:
-    """Every source's raw rows, each cut to its `take`; several: each with its files in `path`, unioned."""
+    """Every source's raw rows in blocks sized by bytes (block_counts), each cut to its `take`; several: each
+    with its files in `path`, unioned."""
     mixed = len(sources) > 1
+    tables = [arrow_table(source.data) if source.data.format not in ("parquet", "jsonl") else None
+              for source in sources]
+    sizes = [_input_bytes(source, table) for source, table in zip(sources, tables, strict=True)]
+    counts = block_counts(sizes, tasks)
     datasets = []
-    for source in sources:
-        rows = _source_dataset(source.data, with_paths=mixed)
+    for source, table, blocks in zip(sources, tables, counts, strict=True):
+        rows = _source_dataset(source.data, with_paths=mixed, blocks=blocks, table=table)
         if source.take is not None:
             rows = rows.limit(source.take)
-        if tasks > 1 and source.data.format not in ("parquet", "jsonl"):
-            # from_arrow is one block, which would feed a single task; a file read is already split (Ray
-            # Data's read parallelism: max(min(200, size / 1 MiB), 2 x CPUs) blocks), which a repartition
-            # would only cut
-            rows = rows.repartition(target_num_rows_per_block=TOKENIZE_BLOCK_ROWS)
+        if tasks > 1 and table is not None:  # from_arrow is one block, which would feed a single task
+            rows = rows.repartition(blocks)
         datasets.append(rows)
     return datasets[0].union(*datasets[1:]) if mixed else datasets[0]
+
+
+def block_counts(sizes: list[float], tasks: int) -> list[int]:
+    """Blocks to read each source in: BLOCK_BYTES of input a block, at least BLOCKS_PER_TASK per task over
+    all sources (a multiple of `tasks`), shared by the sources in proportion to their bytes."""
+    total = max(sum(sizes), 1.0)
+    blocks = tasks * max(BLOCKS_PER_TASK, math.ceil(total / (tasks * BLOCK_BYTES)))
+    return [max(1, round(blocks * size / total)) for size in sizes]
+
+
+def _input_bytes(source: ResolvedSource, table: Any) -> float:
+    """The bytes of input a source gives the tokenizer (its take's share of them)."""
+    data = source.data
+    if table is not None:
+        size = float(table.nbytes)
+    else:
+        import pyarrow.fs as pafs
+
+        filesystem = data.filesystem or pafs.LocalFileSystem()
+        size = float(sum(info.size for info in filesystem.get_file_info(list(data.files))))
+        size *= PARQUET_EXPANSION if data.format == "parquet" else 1
+    if source.take is not None and data.num_rows:
+        size *= min(1.0, source.take / data.num_rows)
+    return size
 
 
 def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: float, tasks: int,
@@ -134,9 +170,11 @@ SYNTHETIC = "synthetic"
 """The source id of the synthetic source's rows."""
 
 
-def _source_dataset(source: DataSource, *, with_paths: bool = False) -> Any:
-    """The rows of a resolved source, every column (JSONL: the raw lines in `text`); `with_paths`: each
-    row's file in PATH_COLUMN (a `datasets` source: its first file, for every row).
+def _source_dataset(source: DataSource, *, with_paths: bool = False, blocks: int | None = None,
+                    table: Any = None) -> Any:
+    """The rows of a resolved source, every column (JSONL: the raw lines in `text`), a file read in
+    `blocks` blocks (None: Ray Data's choice); `with_paths`: each row's file in PATH_COLUMN (a `datasets`
+    source, `table`: its first file, for every row).
 
     A `datasets` source (save_to_disk or load_dataset) goes in as the Arrow table resolve_source already
     loaded, which is what `ray.data.from_huggingface` does with a local Dataset, minus its first step: that
@@ -147,11 +185,11 @@ def _source_dataset(source: DataSource, *, with_paths: bool = False) -> Any:
     import ray.data
 
     if source.format == "parquet":
-        return read_parquet(source.files, source.filesystem, include_paths=with_paths)
+        return read_parquet(source.files, source.filesystem, include_paths=with_paths, blocks=blocks)
     if source.format == "jsonl":
         return ray.data.read_text(list(source.files), drop_empty_lines=True, filesystem=source.filesystem,
-                                  include_paths=with_paths)
-    table = arrow_table(source)
+                                  include_paths=with_paths, override_num_blocks=blocks)
+    table = arrow_table(source) if table is None else table
     if with_paths:
         marker = pa.DictionaryArray.from_arrays(pa.array(np.zeros(table.num_rows, np.int32)),
                                                 pa.array([source.files[0]]))
@@ -173,7 +211,7 @@ def footer_actors(num_files: int) -> int:
 
 
 def read_parquet(files: tuple[str, ...], filesystem: Any, *, num_cpus: float | None = None,
-                 include_paths: bool = False) -> Any:
+                 include_paths: bool = False, blocks: int | None = None) -> Any:
     """ray.data.read_parquet(files), with a footer-reader pool sized to the files.
 
     Ray Data's parquet reader lists its input by reading every footer on a pool of
@@ -188,7 +226,7 @@ def read_parquet(files: tuple[str, ...], filesystem: Any, *, num_cpus: float | N
 
     def read() -> Any:
         return ray.data.read_parquet(list(files), filesystem=filesystem, num_cpus=num_cpus,
-                                     include_paths=include_paths)
+                                     include_paths=include_paths, override_num_blocks=blocks)
 
     if FOOTER_ACTORS_KNOB in os.environ:
         return read()

@@ -9,9 +9,11 @@
         [--write_shard--> the block as one Parquet shard; returned: its scan columns + `shard` (its name)]
 
 A call gets a whole block (`batch_size=None`: a union's blocks each come from one source, and Ray Data would
-otherwise concatenate rows of two sources' schemas into one batch) and yields the tokenized rows
-data.tokenize_batch_size rows at a time (Ray Data gathers them into output blocks, so a task holds one such
-slice of output at a time, not its block's).
+otherwise concatenate rows of two sources' schemas into one batch) and yields the tokenized rows a slice at
+a time (Ray Data gathers them into output blocks, so a task holds one slice of output at a time, not its
+block's). A slice is data.tokenize_batch_size rows, or more when they are short: about SLICE_BYTES of input
+(slice_rows), since each tokenize call has a fixed cost (template and tokenizer setup, a batch encode,
+building Arrow columns) that 64 rows of ~150 tokens pay ~10% on.
 
 `tokenize` and `synthesize_and_tokenize` are plain functions, so Ray Data runs them as tasks (an actor-pool
 map would be a process of its own beside the read task, ~2-4 s of CPU to start); each builds its classes
@@ -195,16 +197,29 @@ class SourcesTokenizer:
         return index[encoded.indices.to_numpy(zero_copy_only=False)]
 
 
+SLICE_BYTES = 256 << 10
+"""Input bytes a tokenize call gets at least (~60k tokens of JSON chat), unless tokenize_batch_size rows are
+more."""
+
+
+def slice_rows(block: pa.Table, batch_rows: int) -> int:
+    """Rows per tokenize call over `block`: batch_rows, or as many as make SLICE_BYTES of its rows."""
+    if not block.num_rows:
+        return batch_rows
+    return max(batch_rows, int(SLICE_BYTES * block.num_rows // max(block.nbytes, 1)))
+
+
 def tokenize(batch: pa.Table, sources: tuple[tuple[Any, ...], ...], batch_rows: int = 64,
              write: ShardTarget | None = None) -> Iterator[pa.Table]:
-    """SourcesTokenizer(sources) over a block, `batch_rows` rows at a time (with `write`: the block written
-    as a shard, and its summary yielded)."""
+    """SourcesTokenizer(sources) over a block, slice_rows(block, batch_rows) rows at a time (with `write`:
+    the block written as a shard, and its summary yielded)."""
     tokenizer = _sources_tokenizer_of(sources)
+    rows = slice_rows(batch, batch_rows)
     if write is not None:
-        yield write_shard(batch, tokenizer, write)
+        yield write_shard(batch, tokenizer, dataclasses.replace(write, batch_rows=rows))
         return
-    for start in range(0, max(batch.num_rows, 1), batch_rows):
-        yield tokenizer(batch.slice(start, batch_rows))
+    for start in range(0, max(batch.num_rows, 1), rows):
+        yield tokenizer(batch.slice(start, rows))
 
 
 def synthesize_and_tokenize(batch: pa.Table, synthesize: tuple[Any, ...], tokenize: tuple[Any, ...],
