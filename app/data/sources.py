@@ -32,15 +32,13 @@ from app.config import DataConfig, SourceConfig
 from app.data import DataError
 from app.data.formats import check_format_settings, column_map
 from app.data.formats.fields import MESSAGE_FIELDS, check_field_types
+from app.data.ray_ops import PATH_COLUMN
 from app.data.readers import DataSource, iter_local_rows, resolve_source
 from app.data.template import TemplateSettings, TokenizedRows, is_template_reason, tokenize_rows
 from app.data.tokenizer import TextTokenizer
 from scheduling.mix import MixSpec, MixStream, rows_needed
 from scheduling.payload import RowStatus
 
-PATH_COLUMN = "path"
-"""The column Ray Data's readers fill with each row's file (include_paths): how a mixed block says which
-source it came from (app/data/ray_ops.py)."""
 PROBE_ROWS = 16
 """Rows of each source rendered on the driver before Ray starts (check_sources_render)."""
 _RENAMED = re.compile(r"\bdata\.(path|format_type|format|columns|split|name|data_files)\b")
