@@ -20,7 +20,8 @@ from app.data import DataError
 from app.data.prepare import fold_summaries
 from app.data.prepared import MANIFEST
 from app.data.preview import prepared_rows, preview_rows
-from app.data.ray_ops import PATH_COLUMN, ShardTarget, tokenize
+from app.data.ray_ops import ShardTarget, tokenize
+from app.data.readers import PATH_COLUMN
 from app.data.resolved import resolve_data
 from app.data.scan import ScanTally
 from app.rundir.snapshot import check_resume, write_snapshot

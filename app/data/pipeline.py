@@ -44,8 +44,8 @@ import numpy as np
 from app.config import DataConfig
 from app.data import DataError
 from app.data.ray_env import apply_executor_settings
-from app.data.ray_ops import PATH_COLUMN, TOKENIZED_COLUMNS, ShardTarget, synthesize_and_tokenize, tokenize
-from app.data.readers import DataSource, arrow_table
+from app.data.ray_ops import TOKENIZED_COLUMNS, ShardTarget, synthesize_and_tokenize, tokenize
+from app.data.readers import PATH_COLUMN, DataSource, arrow_table
 from app.data.resolved import ResolvedData
 from app.data.sources import ResolvedSource
 from app.data.template import TemplateSettings

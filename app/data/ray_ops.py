@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from app.data.readers import PATH_COLUMN
 from app.data.synth import ConversationSynth, synth_conversations, target_lengths
 from app.data.template import TemplateSettings, tokenize_rows
 from app.data.tokenizer import load_tokenizer
@@ -45,8 +46,7 @@ from app.data.tokenizer import load_tokenizer
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 TOKENIZED_COLUMNS = ("input_ids", "labels", "num_tokens", "raw_tokens", "label_tokens", "status", "reason",
                      "format", "source")
-PATH_COLUMN = "path"
-"""The file of each row, as Ray Data's readers write it with include_paths (several sources)."""
+
 """A tokenized row (TokenizeBatch's output): what the planner, the scan and `data prepare` read."""
 
 

@@ -44,6 +44,9 @@ from workers.storage import Location, is_remote, redact_text
 
 LOAD_DATASET = "load_dataset"
 """DataSource.format of data.source=hf (app/data/hub.py)."""
+PATH_COLUMN = "path"
+"""The file of each row, as Ray Data's readers write it with include_paths: how a mix's tokenize map tells
+its rows' sources apart (app/data/ray_ops.py SourcesTokenizer)."""
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
 

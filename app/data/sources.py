@@ -31,9 +31,8 @@ from typing import Any
 from app.config import DataConfig, SourceConfig
 from app.data import DataError
 from app.data.formats import check_format_settings, column_map
-from app.data.formats.fields import MESSAGE_FIELDS, check_field_types
-from app.data.ray_ops import PATH_COLUMN
-from app.data.readers import DataSource, iter_local_rows, resolve_source
+from app.data.formats.fields import FIELD_MARK, check_field_types
+from app.data.readers import PATH_COLUMN, DataSource, iter_local_rows, resolve_source
 from app.data.template import TemplateSettings, TokenizedRows, is_template_reason, tokenize_rows
 from app.data.tokenizer import TextTokenizer
 from scheduling.mix import MixSpec, MixStream, rows_needed
@@ -148,8 +147,7 @@ def check_sources_render(sources: tuple[ResolvedSource, ...], tok: TextTokenizer
         out = tokenize_rows(rows, tok, source.settings)
         reasons = [why for why, status in zip(out.reason, out.status, strict=True)
                    if status == RowStatus.MALFORMED]
-        field = next((why for why in reasons if any(f in why for f in MESSAGE_FIELDS)
-                      and "per-message" in why), None)
+        field = next((why for why in reasons if FIELD_MARK in why), None)
         if field is not None:
             raise DataError(f"{source.key} ({source.id!r}): {field}")
         if rows and len(reasons) == len(rows) and all(is_template_reason(why) for why in reasons):
