@@ -187,8 +187,7 @@ class SourcesTokenizer:
 
     def _sources(self, paths: Any) -> np.ndarray:
         """The source index of each row, from its file."""
-        encoded = paths.dictionary_encode().combine_chunks() if hasattr(paths, "combine_chunks") else \
-            paths.dictionary_encode()
+        encoded = (paths.combine_chunks() if hasattr(paths, "combine_chunks") else paths).dictionary_encode()
         files = encoded.dictionary.to_pylist()
         unknown = [file for file in files if file not in self.by_file]
         if unknown:

@@ -143,7 +143,7 @@ def check_sources_render(sources: tuple[ResolvedSource, ...], tok: TextTokenizer
     none of whose probed rows the template can render, or with a per-message field of a type no row can use,
     is a DataError naming it and the key (data.chat_template, or the field)."""
     for source in sources:
-        rows = list(itertools.islice(local_rows(source, PROBE_ROWS), PROBE_ROWS))
+        rows = _head_rows(source, PROBE_ROWS)
         out = tokenize_rows(rows, tok, source.settings)
         reasons = [why for why, status in zip(out.reason, out.status, strict=True)
                    if status == RowStatus.MALFORMED]
@@ -154,6 +154,24 @@ def check_sources_render(sources: tuple[ResolvedSource, ...], tok: TextTokenizer
             raise DataError(f"{source.key} ({source.id!r}): data.chat_template cannot render its rows "
                             f"({reasons[0]}); its row format ({source.config.format_type}) cannot share the "
                             "run's template: set data.chat_template, or the source's format_type / columns")
+
+
+def _head_rows(source: ResolvedSource, count: int) -> list[dict[str, Any]]:
+    """The first `count` rows of a source without reading all of it: a JSONL file's first lines from its
+    first MiBs (a whole file could be many GB), the other formats' first batch."""
+    if not source.json_lines:
+        return list(itertools.islice(local_rows(source, count), count))
+    data, size = source.data, 1 << 20
+    while True:
+        with (open(data.files[0], "rb") if data.filesystem is None
+              else data.filesystem.open_input_stream(data.files[0])) as handle:
+            head = handle.read(size)
+        complete = len(head) < size
+        text = head.decode("utf-8", errors="ignore")
+        lines = [line for line in text.splitlines()[: None if complete else -1] if line.strip()]
+        if complete or len(lines) >= count:
+            return [{"json_line": line} for line in lines[:count]]
+        size *= 4
 
 
 def mixed_local_rows(sources: tuple[ResolvedSource, ...], spec: MixSpec | None,
