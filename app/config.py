@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -149,6 +150,65 @@ class ModelConfig:
                      f"got {getattr(self, name)}")
 
 
+FormatType = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]
+SOURCE_KEYS = ("source", "path", "name", "split", "data_files", "format", "format_type", "columns")
+"""The keys one dataset is read with: top-level data.* for a single source, or an entry of data.sources."""
+_SOURCE_ID = re.compile(r"[A-Za-z0-9_.\-]+")
+"""What a source id may hold (it names metrics, e.g. source_tokens/chat.jsonl, as every sink accepts)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceConfig:
+    """One entry of data.sources: a dataset read like the top-level data.* source keys, plus its share.
+
+    The chat template, tokenizer, labels and length limit stay one per run (data.*)."""
+
+    source: Literal["path", "hf"] = "path"
+    """path (a parquet, jsonl or `datasets` save_to_disk dataset at `path`) | hf (load_dataset(path))."""
+    path: str = ""
+    """As data.path: a file, directory or URI (source: path), a hub dataset id (source: hf)."""
+    format: Literal["auto", "parquet", "jsonl", "hf"] = "auto"
+    """As data.format."""
+    name: str = ""
+    """As data.name (source: hf)."""
+    split: str = "train"
+    """As data.split (source: hf)."""
+    data_files: tuple[str, ...] = ()
+    """As data.data_files (source: hf)."""
+    format_type: FormatType = "auto"
+    """This source's row format, as data.format_type."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """This source's key mapping, as data.columns."""
+    weight: float = 1.0
+    """Its proportion of the mixed stream (weights are normalized: 3, 1, 1 is 60/20/20); > 0."""
+    max_samples: int = 0
+    """Read at most this many rows of it (its first ones); 0: all."""
+    id: str = ""
+    """How reports, metrics and each row name it; default: its file or dataset name. Letters, digits,
+    `_`, `.` and `-`."""
+
+    RUN_WIDE = frozenset({"tokenizer", "chat_template", "labels", "max_length", "too_long", "truncate_side",
+                          "add_eos", "shuffle", "seed", "sources", "mix_exhausted"})
+    """data.* keys that a source entry cannot set: one value per run."""
+
+    @property
+    def default_id(self) -> str:
+        """The file or dataset name of `path` (its last component), made of id characters."""
+        last = self.path.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1] or "source"
+        return re.sub(r"[^A-Za-z0-9_.\-]", "_", last)
+
+    @property
+    def source_id(self) -> str:
+        return self.id or self.default_id
+
+    @staticmethod
+    def unknown_key_hint(key: str) -> str:
+        """What an unknown key in an entry means (config loading)."""
+        if key in SourceConfig.RUN_WIDE:
+            return f"data.{key} is one per run, not per source: set data.{key}"
+        return ""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     """Where the rows come from, their format, tokenizer and chat template, labels and length limit."""
@@ -171,8 +231,7 @@ class DataConfig:
     """data.source=hf: the split to train on (`load_dataset(..., split=...)`)."""
     data_files: tuple[str, ...] = field(default=(), metadata=MATH)
     """data.source=hf: `load_dataset(..., data_files=...)` (files inside the dataset); () for the default."""
-    format_type: Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"] = field(
-        default="auto", metadata=MATH)
+    format_type: FormatType = field(default="auto", metadata=MATH)
     """Row format (app/data/formats/): auto decides per row from its keys and the data summary says what
     it chose; messages (OpenAI chat, tools included) | sharegpt | alpaca | prompt_completion | text."""
     columns: dict[str, str] = field(default_factory=dict, metadata=MATH)
@@ -199,8 +258,18 @@ class DataConfig:
     """auto (the tokenizer's own template when it has one; ChatML for `qwen`) | model (the tokenizer's
     own, an error when it has none) | chatml | none (plain text, single-turn rows only) | PATH (a Jinja
     file). Rendering goes through transformers' `apply_chat_template` (app/data/template.py)."""
-    labels: Literal["assistant", "all"] = field(default="assistant", metadata=MATH)
-    """Which tokens carry a loss."""
+    labels: Literal["assistant", "all", "last_turn"] = field(default="assistant", metadata=MATH)
+    """Which tokens carry a loss: assistant (every assistant turn) | all (every token) | last_turn (only the
+    final assistant message of each conversation). A message of a messages / ShareGPT row with
+    `"train": false` or `"weight": 0` carries none in any mode (docs/data.md)."""
+    sources: tuple[SourceConfig, ...] = field(default=(), metadata=MATH)
+    """Several datasets in one run, mixed by weight (docs/data.md): a list of entries with the source keys
+    (source, path, name, split, data_files, format, format_type, columns) plus weight, max_samples and id.
+    Non-empty, it replaces the top-level source keys (with data.source=prepared: what the prepared set at
+    data.path must hold)."""
+    mix_exhausted: Literal["stop", "cycle"] = field(default="stop", metadata=MATH)
+    """data.sources: when one source runs out, stop the mixed stream (stop) or start that source again
+    until every source has been read once (cycle)."""
     max_length: int = field(default=0, metadata=MATH)
     """Longest sequence in tokens (0: scheduling.bucket_size * parallel.cp_size, the hard limit)."""
     too_long: Literal["error", "truncate", "drop"] = field(default="error", metadata=MATH)
@@ -208,7 +277,8 @@ class DataConfig:
     truncate_side: Literal["left", "right"] = field(default="left", metadata=MATH)
     """With too_long=truncate, which end to cut: left drops the oldest context and keeps the last answer."""
     tokenize_batch_size: int = 64
-    """Rows per map_batches call in the Ray Data tokenizer."""
+    """Rows per tokenize call at least (the Ray Data map gets whole blocks and tokenizes them a slice at a
+    time; short rows go in slices of ~256 KiB of input: app/data/ray_ops.py slice_rows)."""
     tokenize_concurrency: int | Literal["auto"] = "auto"
     """Ray Data tokenize tasks at once (resources.data_cpus each): auto = the CPUs the training reservation
     leaves (app/data/concurrency.py), or a number. The row order never depends on it."""
@@ -223,6 +293,7 @@ class DataConfig:
     malformed; the data summary counts them by reason); 1: never stop, 0: no malformed row allowed."""
 
     def __post_init__(self) -> None:
+        self._check_sources()
         _require(self.source != "path" or bool(self.path),
                  "data.source=path needs data.path (a parquet, jsonl or HF dataset directory)")
         _require(self.source != "hf" or bool(self.path),
@@ -243,6 +314,51 @@ class DataConfig:
         _require(0 <= self.max_malformed_fraction <= 1,
                  f"data.max_malformed_fraction must be in [0, 1] (1: never stop on malformed rows), "
                  f"got {self.max_malformed_fraction}")
+
+    def _check_sources(self) -> None:
+        """data.sources: no top-level source key beside it (but data.source=prepared and its data.path),
+        every entry with a path, a weight > 0, max_samples >= 0 and an id of its own."""
+        if not self.sources:
+            return
+        both = [f"data.{key}" for key in SOURCE_KEYS if getattr(self, key) != _DATA_DEFAULTS[key]
+                and not (self.source == "prepared" and key in ("source", "path"))]
+        _require(not both, f"data.sources replaces the top-level source keys, but {', '.join(both)} "
+                 f"{'is' if len(both) == 1 else 'are'} set too: move them into the entries of data.sources, "
+                 "or remove data.sources")
+        seen: dict[str, int] = {}
+        for index, entry in enumerate(self.sources):
+            where = f"data.sources[{index}]"
+            _require(bool(entry.path), f"{where}.path is required (a file, directory or URI; a hub dataset "
+                     "id with source: hf)")
+            _require(entry.weight > 0 and math.isfinite(entry.weight),
+                     f"{where}.weight must be > 0 (its proportion of the mix), got {entry.weight}")
+            _require(entry.max_samples >= 0, f"{where}.max_samples must be >= 0 (0: every row), got "
+                     f"{entry.max_samples}")
+            name = entry.source_id
+            _require(bool(_SOURCE_ID.fullmatch(name)), f"{where}.id={name!r} may hold only letters, digits, "
+                     "'_', '.' and '-'")
+            _require(name not in seen, f"{where}.id={name!r} is also data.sources[{seen.get(name)}]'s id: "
+                     f"set {where}.id to a name of its own")
+            seen[name] = index
+
+    @property
+    def synthetic(self) -> bool:
+        """Rows generated in the run (data.source=synthetic without data.sources)."""
+        return self.source == "synthetic" and not self.sources
+
+    def source_configs(self) -> tuple[SourceConfig, ...]:
+        """The datasets the run reads: data.sources, or the top-level keys as one entry (path / hf);
+        () for synthetic and prepared data."""
+        if self.sources or self.source not in ("path", "hf"):
+            return self.sources if self.source != "prepared" else ()
+        keys = {key: getattr(self, key) for key in SOURCE_KEYS}
+        return (SourceConfig(**keys),)
+
+
+_DATA_DEFAULTS = {item.name: (item.default_factory() if item.default_factory is not dataclasses.MISSING
+                               else item.default)
+                  for item in dataclasses.fields(DataConfig) if item.name in SOURCE_KEYS}
+"""The top-level source keys' defaults (a key that differs is `set`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -710,6 +826,8 @@ def _coerce(value: Any, annotation: Any, where: str) -> Any:
         if value in choices:
             return value
         raise ConfigError(f"{where}={value!r} is not one of: {', '.join(map(str, choices))}")
+    if dataclasses.is_dataclass(annotation):
+        return _build(annotation, value, where)
     if annotation is type(None):
         if value is None:
             return None
@@ -754,8 +872,9 @@ def _build(cls: type, data: Any, where: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in names:
+            hint = getattr(cls, "unknown_key_hint", lambda _: "")(key)
             raise ConfigError(
-                f"{where}: unknown key {key!r}; valid keys: {', '.join(sorted(names))}"
+                f"{where}: unknown key {key!r}; " + (hint or f"valid keys: {', '.join(sorted(names))}")
             )
         sub_where = f"{where}.{key}" if where else key
         hint = hints[key]
@@ -767,13 +886,23 @@ def _build(cls: type, data: Any, where: str) -> Any:
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """tree[a][b] = value for `a.b`; a number indexes a list (data.sources.1.weight)."""
     parts = dotted.split(".")
-    node = tree
+    node: Any = tree
     for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
+        node = node[_list_index(node, part, dotted)] if isinstance(node, list) else node.setdefault(part, {})
+        if not isinstance(node, dict | list):
             raise ConfigError(f"--set {dotted}: {part!r} is not a section")
-    node[parts[-1]] = value
+    if isinstance(node, list):
+        node[_list_index(node, parts[-1], dotted)] = value
+    else:
+        node[parts[-1]] = value
+
+
+def _list_index(items: list[Any], part: str, dotted: str) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError(f"--set {dotted}: {part!r} is not an index of a list of {len(items)} entries")
+    return int(part)
 
 
 def parse_override(text: str) -> tuple[str, Any]:

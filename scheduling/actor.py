@@ -51,6 +51,7 @@ from scheduling import CostModel, plan_step
 from scheduling.calibration import Calibration
 from scheduling.eval_plan import plan_eval
 from scheduling.holdout import is_held_out
+from scheduling.mix import MixSpec, StreamRows, stream_rows
 from scheduling.order import visit_order
 from scheduling.payload import (
     USABLE_STATUSES,
@@ -95,6 +96,11 @@ class PlannerSettings:
     """scheduling.calibration_window: the newest steps the fit uses, and skrull's exploration length."""
     chunkflow_keep: int = 1
     """scheduling.chunkflow_keep: the chunkflow policy's K (scheduling/chunkflow.py)."""
+    mix: MixSpec | None = None
+    """data.sources' weights, data.seed and data.mix_exhausted: the stream is their weighted interleave
+    (scheduling/mix.py); None: the dataset's rows in order (one source)."""
+    source_ids: tuple[str, ...] = ()
+    """data.sources' ids, in order (with `mix`)."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.global_batch_size < self.dp_size or self.prefetch < 1:
@@ -134,8 +140,9 @@ class PlannerActor:
     ) -> None:
         self._dataset = dataset
         self._rows: RowTable | None = None
+        self._stream: StreamRows | None = None
         self._rows_lock = threading.Lock()
-        self._eval = EvalSource(dataset, eval_dataset, settings)
+        self._eval = EvalSource(dataset, eval_dataset, settings, self._positions)
         self._cost = cost
         self._initial_cost = cost
         self._anchor = cost  # what every fit is relative to: the starting profile, or a checkpoint's fit
@@ -293,11 +300,20 @@ class PlannerActor:
             step += 1
 
     def _table(self) -> RowTable:
-        """The dataset's planner columns by stream position, read once per actor (module docstring)."""
+        """The dataset's planner columns by table row, read once per actor (module docstring)."""
         with self._rows_lock:
             if self._rows is None:
                 self._rows = read_row_table(self._dataset)
+                s = self._settings
+                if s.mix is not None:  # the driver's scan checked that every source has rows
+                    self._stream = stream_rows(self._rows.source_codes, self._rows.source_names,
+                                               s.source_ids, s.mix)
             return self._rows
+
+    def _positions(self) -> tuple[RowTable, np.ndarray | None]:
+        """(the table, the table row of each stream position or None: the table's own order)."""
+        table = self._table()
+        return table, None if self._stream is None else self._stream.table_rows
 
     def _usable_rows(self, start: Cursor) -> Iterator[tuple[int, int, Sample]]:
         """(epoch, rows visited in the epoch, sample) of usable rows from the cursor on, cycling epochs.
@@ -307,21 +323,26 @@ class PlannerActor:
         data repeats as often as needed; an epoch without a single usable row would repeat forever, so it
         is an error instead.
         """
-        s, table = self._settings, self._table()
+        s = self._settings
+        table, rows = self._positions()
+        length = len(table) if rows is None else len(rows)
         epoch = start.epoch
         skip = start.rows
         while True:
             usable = 0
-            order = visit_order(len(table), seed=s.data_seed, epoch=epoch, shuffle=s.shuffle)
+            order = visit_order(length, seed=s.data_seed, epoch=epoch, shuffle=s.shuffle)
             for visited in range(skip, len(order)):
                 position = int(order[visited])
-                status = table.status(position)
+                row = position if rows is None else int(rows[position])
+                status = table.status(row)
                 with self._cond:
                     self._status_counts[status] = self._status_counts.get(status, 0) + 1
                 if status in USABLE_STATUSES and not self._eval.holds_out(position):
                     usable += 1
-                    input_ids, labels = table.tokens(position)
-                    yield epoch, visited + 1, Sample(sample_id=position, input_ids=input_ids, labels=labels)
+                    input_ids, labels = table.tokens(row)
+                    source = table.source_names[table.source_codes[row]] if s.mix is not None else ""
+                    yield epoch, visited + 1, Sample(sample_id=position, input_ids=input_ids, labels=labels,
+                                                     source=source)
             if usable == 0 and skip == 0:
                 raise PlannerError(
                     f"epoch {epoch} of the dataset has no usable row (rows by status: "
@@ -384,9 +405,12 @@ class EvalSource:
     (scheduling/eval_plan.py) and keeps one object-store ref per rank until the shape changes.
     """
 
-    def __init__(self, dataset: Any, eval_dataset: Any, settings: PlannerSettings) -> None:
+    def __init__(self, dataset: Any, eval_dataset: Any, settings: PlannerSettings,
+                 positions: Any = None) -> None:
         self._dataset = eval_dataset if eval_dataset is not None else dataset
         self._separate = eval_dataset is not None
+        self._positions = positions
+        """The planner's (table, stream rows) (PlannerActor._positions): the held-out rows' source."""
         self._fraction = 0.0 if self._separate else settings.eval_fraction
         self._seed = settings.data_seed
         self._lock = threading.Lock()
@@ -400,6 +424,8 @@ class EvalSource:
         """The eval set's usable rows in stream order (sample id = position in its stream)."""
         if not (self._separate or self._fraction):
             raise PlannerError("no eval set: set data.eval_fraction or data.eval_path")
+        if not self._separate and self._positions is not None:
+            return self._held_out_samples()
         samples = []
         for position, row in enumerate(self._dataset.iter_rows()):
             if str(row.get("status", RowStatus.OK)) not in USABLE_STATUSES:
@@ -407,6 +433,18 @@ class EvalSource:
             if self._separate or self.holds_out(position):
                 samples.append(Sample(sample_id=position, input_ids=np.asarray(row["input_ids"], np.int64),
                                       labels=np.asarray(row["labels"], dtype=np.int64)))
+        return samples
+
+    def _held_out_samples(self) -> list[Sample]:
+        """The usable held-out rows of the training stream (sample id = stream position), from the planner's
+        table: with data.sources a position is a place in the mixed stream, not in the dataset."""
+        table, rows = self._positions()
+        samples = []
+        for position in range(len(table) if rows is None else len(rows)):
+            row = position if rows is None else int(rows[position])
+            if table.status(row) in USABLE_STATUSES and self.holds_out(position):
+                input_ids, labels = table.tokens(row)
+                samples.append(Sample(sample_id=position, input_ids=input_ids, labels=labels))
         return samples
 
     def refs(self, s: PlannerSettings, cost: CostModel, dp_size: int,

@@ -41,11 +41,14 @@ class RowStatus(StrEnum):
     """What tokenization says of a row (app/data/template.py); the planner trains on USABLE_STATUSES only.
 
     truncated_empty: a row that data.too_long=truncate cut to a window without a single label token (after
-    the shift); it is counted, carries empty ids and is never trained on.
+    the shift); it is counted, carries empty ids and is never trained on. excluded: a row with no label token
+    because its per-message `train: false` / `weight: 0` fields left out every message the label rule
+    would train (counted and skipped like empty).
     """
 
     OK = "ok"
     EMPTY = "empty"
+    EXCLUDED = "excluded"
     MALFORMED = "malformed"
     TRUNCATED = "truncated"
     TRUNCATED_EMPTY = "truncated_empty"
@@ -65,6 +68,8 @@ class Sample:
     sample_id: int
     input_ids: np.ndarray
     labels: np.ndarray
+    source: str = ""
+    """The id of the data.sources entry it came from ("" without data.sources)."""
 
     def __post_init__(self) -> None:
         if len(self.input_ids) != len(self.labels) or len(self.input_ids) == 0:
@@ -130,6 +135,8 @@ class RankPayload:
     hardware profile's peak_flops: seconds one device at peak would take (the workers' mfu); NaN: unknown."""
     predicted_step_s_initial: float = math.nan
     """predicted_step_s under the run's starting profile (hardware.profile), for the same plan."""
+    source_tokens: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Tokens of the global batch by data.sources id ({} without data.sources): the mix a step trained on."""
 
 
 def _sequences_needed(plan: DacpPlan, cp_rank: int) -> tuple[int, ...]:
@@ -170,6 +177,10 @@ def build_rank_payloads(
             "data.too_long and data.truncate_side (truncation can cut every answer away)"
         )
     tokens = sum(sample.num_tokens for sample in samples)
+    source_tokens: dict[str, int] = {}
+    for sample in samples:
+        if sample.source:
+            source_tokens[sample.source] = source_tokens.get(sample.source, 0) + sample.num_tokens
     subgroup_tokens = sum(samples[i].num_tokens for per_dp in step_plan.micro_batches for mb in per_dp
                           for entry in mb.partial for i in entry.indices)
     sample_ids = tuple(  # a chunked sequence (chunkflow) sits in several micro-batches: listed once
@@ -194,7 +205,7 @@ def build_rank_payloads(
                 predicted_step_s=estimate.total_s if estimate else math.nan,
                 predicted_busy_s=estimate.rank_busy_s[dp_rank][cp_rank] if estimate else math.nan,
                 flops_at_peak_s=flops_at_peak_s, subgroup_token_fraction=subgroup_tokens / max(tokens, 1),
-                predicted_step_s_initial=predicted_step_s_initial,
+                predicted_step_s_initial=predicted_step_s_initial, source_tokens=source_tokens,
             )
     return payloads
 

@@ -7,7 +7,8 @@ store, in stream order, slices applied) and keeps of every block only the three 
 
     block k = stream rows starts[k] .. starts[k+1]-1, as Arrow record batches
         input_ids, labels: offsets (n+1) and values     numpy views of the Arrow buffers, no copy
-        status:            one int16 code per row        (a copy: 2 bytes a row)
+        status, source:    one int16 code per row each   (copies: 2 bytes a row each; source: the id of
+                                                          the data.sources entry the row came from)
     row p:  k = searchsorted(starts, p, side=right) - 1,  j = p - starts[k]
             input_ids = values[offsets[j] : offsets[j+1]]
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from scheduling.payload import RowStatus
 
-PLANNER_COLUMNS = ("input_ids", "labels", "status")
+PLANNER_COLUMNS = ("input_ids", "labels", "status", "source")
 """What the planner reads of a tokenized row (app/data/ray_ops.py writes them)."""
 
 
@@ -64,22 +65,30 @@ class RowTable:
     """Rows of a tokenized stream by position (see module docstring): `status(p)` and `tokens(p)`."""
 
     def __init__(self, blocks: list[_Block], starts: np.ndarray, status_codes: np.ndarray,
-                 status_names: list[str]) -> None:
+                 status_names: list[str], source_codes: np.ndarray | None = None,
+                 source_names: list[str] | None = None) -> None:
         self._blocks = blocks
         self._starts = starts
         self._status_codes = status_codes
         self._status_names = status_names
+        self.source_codes = np.zeros(len(status_codes), np.int16) if source_codes is None else source_codes
+        """Each row's source as a code into `source_names`."""
+        self.source_names = source_names or [""]
+        """The source ids the rows carry ("" for rows without a `source` column)."""
 
     @classmethod
     def from_tables(cls, tables: Iterable[Any]) -> RowTable:
         """Index pyarrow tables (or record batches) holding the stream's rows in order.
 
-        A table without a `status` column reads as all "ok" (the planner's default for a row without one).
+        A table without a `status` column reads as all "ok" (the planner's default for a row without one),
+        one without a `source` column as source "".
         """
         blocks: list[_Block] = []
         counts: list[int] = []
         codes: list[np.ndarray] = []
         names: dict[str, int] = {}
+        source_codes: list[np.ndarray] = []
+        sources: dict[str, int] = {}
         for table in tables:
             for batch in table.to_batches() if hasattr(table, "to_batches") else [table]:
                 if batch.num_rows == 0:
@@ -87,10 +96,12 @@ class RowTable:
                 blocks.append(_Block(_ListColumn.of(batch.column("input_ids")),
                                      _ListColumn.of(batch.column("labels"))))
                 counts.append(batch.num_rows)
-                codes.append(_status_codes(batch, names))
+                codes.append(_codes(batch, "status", RowStatus.OK.value, names))
+                source_codes.append(_codes(batch, "source", "", sources))
         starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         status_codes = np.concatenate(codes) if codes else np.zeros(0, dtype=np.int16)
-        return cls(blocks, starts, status_codes, list(names))
+        source_array = np.concatenate(source_codes) if source_codes else np.zeros(0, dtype=np.int16)
+        return cls(blocks, starts, status_codes, list(names), source_array, list(sources))
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -107,12 +118,13 @@ class RowTable:
         return block.input_ids.row(j), block.labels.row(j)
 
 
-def _status_codes(batch: Any, names: dict[str, int]) -> np.ndarray:
-    """The batch's statuses as codes into `names` (extended with the statuses seen for the first time)."""
-    if "status" not in batch.schema.names:
-        strings = np.full(batch.num_rows, RowStatus.OK.value)
+def _codes(batch: Any, column: str, missing: str, names: dict[str, int]) -> np.ndarray:
+    """The batch's string `column` as codes into `names` (extended with the values seen for the first
+    time); every row `missing` when the batch has no such column."""
+    if column not in batch.schema.names:
+        strings = np.full(batch.num_rows, missing)
     else:
-        strings = np.asarray(batch.column("status").to_numpy(zero_copy_only=False)).astype(str)
+        strings = np.asarray(batch.column(column).to_numpy(zero_copy_only=False)).astype(str)
     unique, inverse = np.unique(strings, return_inverse=True)
     mapping = np.asarray([names.setdefault(str(name), len(names)) for name in unique], dtype=np.int16)
     return mapping[inverse.reshape(-1)]

@@ -3,7 +3,6 @@ rates and ratios, and the check that every variant tokenized the same rows."""
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -26,10 +25,10 @@ def test_datasets_map_gives_the_rows_of_the_pipelines_tokenize(tmp_path) -> None
     config = load_config(None, ["data.source=path", f"data.path={path}", "data.max_malformed_fraction=1",
                                 "scheduling.bucket_size=64", "parallel.cp_size=1", "data.too_long=truncate"])
     data = resolve_data(config.data, max_length=config.max_sequence_length)
-    args = ("qwen", data.settings, True)
-    peer = datasets_map(str(path), "jsonl", functools.partial(ray_ops.tokenize, tokenize=args), 4, 2,
+    (source,) = data.sources
+    peer = datasets_map(((str(path), "jsonl", source.spec("qwen"), None),), 4, 2,
                         cache_dir=str(tmp_path / "cache"))
-    direct = ray_ops.TokenizeBatch(*args)(pa.table({"text": lines}))
+    direct = ray_ops.TokenizeBatch(*source.spec("qwen")[:4])(pa.table({"text": lines}))
     assert peer == _measured(peer.seconds, direct.to_batches(max_chunksize=5))  # batching does not matter
     assert peer.rows == len(lines) and "truncated" in direct.column("status").to_pylist()
 

@@ -319,7 +319,7 @@ def test_columns_swap_and_a_mapped_key_replaces_the_rows_own() -> None:
 @pytest.mark.parametrize("columns, message", [
     ({"question": "q"}, r"data.columns: unknown key 'question'; accepted .*: messages, conversations, "
                         r"instruction, input, output, system, history, prompt, completion, text, tools, "
-                        r"role, content, user, assistant, tool$"),
+                        r"role, content, train, weight, user, assistant, tool$"),
     ({"text": ""}, r"data.columns.text must be the file's key or role name \(a non-empty string\), not ''"),
     ({"text": ["a"]}, r"data.columns.text must be .*, not \['a'\]"),
     ({"instruction": "q", "prompt": "q"},

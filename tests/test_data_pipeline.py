@@ -56,13 +56,13 @@ def test_readers_tokenize_in_order(local_ray, formats, fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", ["jsonl", "hf"])
 def test_several_tokenize_tasks_keep_the_order_of_one(local_ray, formats, fmt: str, monkeypatch) -> None:
-    """Three tasks at once (the jsonl read split by Ray Data, the in-memory hf table repartitioned into
-    blocks of 4 rows) hand on exactly the rows of a single-task run, row by row."""
+    """Three tasks at once (blocks of ~1 kB: the jsonl read split by Ray Data, the in-memory hf table
+    repartitioned) hand on exactly the rows of a single-task run, row by row."""
     import re
 
     from app.data import pipeline
 
-    monkeypatch.setattr(pipeline, "TOKENIZE_BLOCK_ROWS", 4)
+    monkeypatch.setattr(pipeline, "BLOCK_BYTES", 1000)
     _, paths = formats
     cfg = config("data.source=path", f"data.path={paths[fmt]}")
     data = resolve_data(cfg.data, max_length=cfg.max_sequence_length)
@@ -97,7 +97,7 @@ def test_scan_counts_and_too_long_policies(local_ray, formats) -> None:
     result = scan(config(*base))
     assert result.num_rows == len(rows) and result.lengths.tolist() == ok_lengths
     assert result.counts == {"ok": len(ok_lengths), "empty": 1, "malformed": 2, "truncated": 0,
-                             "truncated_empty": 0, "dropped": 0, "too_long": 0}
+                             "truncated_empty": 0, "dropped": 0, "too_long": 0, "excluded": 0}
     ref = tokenize_rows(rows, load_tokenizer("qwen"), TemplateSettings())
     assert result.label_tokens == sum(ref.label_tokens) > 0
     assert result.summary().startswith(f"data: {len(ok_lengths)}/{len(rows)} rows usable, {sum(ok_lengths)} "
@@ -200,3 +200,30 @@ def test_ray_data_defaults_keep_the_users_setting() -> None:
     environ = {"RAY_DATA_METADATA_PREFETCH_ON_THREAD": "1"}
     apply_ray_data_defaults(environ)
     assert environ == {"RAY_DATA_METADATA_PREFETCH_ON_THREAD": "1"}
+
+
+def test_a_mix_on_ray_is_the_stream_the_preview_shows(local_ray, tmp_path) -> None:
+    """data.sources (issue 55): three files of three row formats read on Ray (each row's file in `path`, the
+    reads unioned, one tokenize map of two tasks) give the planner, through the weighted interleave, the
+    rows `data preview` shows, in its order; the scan's shares are the weights'."""
+    from app.data.preview import preview_rows
+    from app.data.sources import mix_spec
+    from scheduling.actor import read_row_table
+    from scheduling.mix import stream_rows
+    from tests.test_data_mix import mix_overrides, write_sources
+
+    paths = write_sources(tmp_path / "mix", scale=0.2)
+    cfg = load_config(None, mix_overrides(paths, "data.tokenize_batch_size=32"))
+    data = resolve_data(cfg.data, max_length=cfg.max_sequence_length)
+    dataset = tokenized_dataset(data, num_cpus=cfg.resources.data_cpus, tasks=2).materialize()
+    result = scan_dataset(dataset, cfg.data, max_length=cfg.max_sequence_length)
+    shares = {name: s["share"] for name, s in result.sources.items()}
+    assert shares == {"chat": 0.6, "share": 0.2, "alpaca": 0.2}
+    table = read_row_table(dataset)
+    stream = stream_rows(table.source_codes, table.source_names, tuple(e.source_id for e in cfg.data.sources),
+                         mix_spec(cfg.data))
+    shown, _ = preview_rows(cfg, 100)
+    for position, row in enumerate(shown):
+        ids, labels = table.tokens(int(stream.table_rows[position]))
+        source = table.source_names[table.source_codes[int(stream.table_rows[position])]]
+        assert (source, ids.tolist(), labels.tolist()) == (row.source, row.input_ids, row.labels), position

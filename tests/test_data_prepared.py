@@ -49,10 +49,10 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]
     data = resolve_data(raw.data, max_length=raw.max_sequence_length)
     out = root / "set"
     out.mkdir()
-    args, target = ("qwen", data.settings, False), ShardTarget(str(out))
+    args, target = tuple(source.spec("qwen") for source in data.sources), ShardTarget(str(out))
     table = _table(rows)
     spans = ((0, 7), (7, 6), (13,))
-    first, second, third = (tokenize(table.slice(*span), args, write=target) for span in spans)
+    first, second, third = (next(tokenize(table.slice(*span), args, write=target)) for span in spans)
     record, scan = fold_summaries(data, [first, pa.concat_tables([second, third])],
                                   max_length=raw.max_sequence_length)
     (out / MANIFEST).write_text(json.dumps(record))

@@ -54,7 +54,7 @@ def test_tokenize_batch_output_columns() -> None:
         cfg = load_config(None, ["data.too_long=truncate", f"data.truncate_side={side}"]).data
         out = TokenizeBatch("qwen", template_settings(cfg, 32))(table)
         assert out.column_names == ["input_ids", "labels", "num_tokens", "raw_tokens", "label_tokens",
-                                    "status", "reason", "format"]
+                                    "status", "reason", "format", "source"]
         assert out.column("reason").to_pylist() == ["", ""]
         assert out.column("format").to_pylist() == ["messages", "messages"]
         assert out.column("status").to_pylist() == expected

@@ -263,3 +263,35 @@ def test_the_row_table_of_a_materialized_dataset_is_its_stream(local_ray) -> Non
         assert statuses[position] == row["status"]
     print(f"row table of 20k rows / 313 blocks: built in {built_s:.2f} s, a shuffled epoch of lookups "
           f"{epoch_s:.2f} s ({epoch_s / 20_000 * 1e6:.1f} us a row); one iter_rows pass {stream_s:.2f} s")
+
+
+def test_a_mix_resumed_mid_epoch_continues_where_it_stopped(local_ray) -> None:
+    """data.sources (issue 55): the planner mixes three sources 3:1:1 from a table that holds them in Ray
+    Data's round-robin of blocks; a planner resumed from step 5's cursor publishes what an uninterrupted one
+    does for the steps after (sample ids, tokens, source_tokens), into the next epoch; the samples' sources
+    follow the weights."""
+    from scheduling.mix import MixSpec
+
+    rng = np.random.default_rng(5)
+    sizes = {"a": 60, "b": 25, "c": 25}
+    per_source = {name: [{"input_ids": [i] * int(rng.integers(2, 40)), "status": "ok", "source": name}
+                         for i in range(n)] for name, n in sizes.items()}
+    blocks = [per_source[name][k:k + 10] for k in range(0, 60, 10) for name in sizes if k < sizes[name]]
+    rows = [dict(row, labels=row["input_ids"]) for block in blocks for row in block]
+    dataset = ray.data.from_items(rows, override_num_blocks=len(blocks))
+    settings = _settings(global_batch_size=SHUFFLE_BATCH, shuffle=True, data_seed=2, total_steps=20,
+                         prefetch=20, mix=MixSpec((3, 1, 1), seed=2), source_ids=tuple(sizes))
+    fresh = PlannerActor.remote(dataset, settings, COST)
+    uninterrupted = {step: _fetch_all_ranks(fresh, step) for step in range(1, 21)}
+    assert {uninterrupted[step][0, 0].epoch for step in uninterrupted} == {0, 1}
+    cursor = uninterrupted[5][0, 0].cursor
+    resumed = PlannerActor.remote(dataset, dataclasses.replace(settings, total_steps=15), COST, cursor, 6)
+    for step in range(6, 21):
+        got = _fetch_all_ranks(resumed, step)
+        want = {r: _digest(p) for r, p in uninterrupted[step].items()}
+        assert {r: _digest(p) for r, p in got.items()} == want, f"step {step}"
+        assert got[0, 0].source_tokens == uninterrupted[step][0, 0].source_tokens
+    tokens = {name: sum(uninterrupted[s][0, 0].source_tokens.get(name, 0) for s in range(1, 9))
+              for name in sizes}
+    assert sum(uninterrupted[1][0, 0].source_tokens.values()) == uninterrupted[1][0, 0].global_tokens
+    assert tokens["a"] > tokens["b"] and tokens["a"] > tokens["c"]

@@ -35,6 +35,8 @@ between two log steps never waits on a collective or a device-to-host copy for m
       skipped_steps     steps skipped so far by this start of the worker group
       lr                the learning rate the step trained with, read from the optimizer before it
                         (identical on every rank; workers/lr_schedule.py)
+      source_tokens/ID  with data.sources: the global batch's tokens from source ID (a key per source in
+                        the batch), so a run's curves show the mix it trained on
 
     on the window's last step only (the log step), on CUDA only (absent on CPU):
       gpu_peak_bytes    max over ranks of torch.cuda.max_memory_allocated: the peak of every step so far
@@ -207,4 +209,5 @@ def _step_metrics(record: StepRecord, loss_sum: float, per_rank: torch.Tensor,
         "optimizer_s": float(laps[-1]),
         "update_skipped": not applied,
         "skipped_steps": record.skipped_steps,
-    } | ({"nonfinite": nonfinite} if nonfinite else {}) | ({"deferred": True} if record.deferred else {})
+    } | ({"nonfinite": nonfinite} if nonfinite else {}) | ({"deferred": True} if record.deferred else {}) | {
+        f"source_tokens/{source}": tokens for source, tokens in payload.source_tokens.items()}

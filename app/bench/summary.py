@@ -55,7 +55,8 @@ def repeated_samples_warning(total_steps: int, distinct: int, config: Any) -> st
     profile was fitted to, and a policy's later plans may repeat its earlier ones."""
     if total_steps <= distinct:
         return None
-    knob = ("data.num_samples" if config.data.source == "synthetic" else "data.path (more rows)")
+    synthetic = config.data.source == "synthetic" and not getattr(config.data, "sources", ())
+    knob = "data.num_samples" if synthetic else "data.path / data.sources (more rows)"
     need = total_steps * config.scheduling.global_batch_size
     return (f"warning: bench train: {total_steps} steps (warm-up included) of "
             f"{config.scheduling.global_batch_size} samples need {need} usable rows, but the data holds "

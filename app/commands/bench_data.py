@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_config_arguments(parser, required=True)
     add_json_argument(parser)
-    parser.add_argument("--rows", type=int, default=None, help="the first N rows of data.path (default: all)")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="the first N rows of data.path, or of each data.sources entry (default: all)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per variant after a warm-up")
     parser.add_argument("--cpus", type=int, default=None,
                         help="tasks and num_proc of the parallel variants (default: this machine's CPUs)")
@@ -38,6 +39,9 @@ def run(args: argparse.Namespace) -> int:
     cpus = args.cpus or os.cpu_count() or 1
     config = config_from_args(args)
     summary = run_bench(config, rows=args.rows, rounds=args.rounds, cpus=cpus)
-    where = f"data.path={redact_uri(config.data.path)!r}, tokenizer {config.data.tokenizer}"
+    sources = config.data.sources
+    what = (f"data.sources ({', '.join(entry.source_id for entry in sources)})" if sources
+            else f"data.path={redact_uri(config.data.path)!r}")
+    where = f"{what}, tokenizer {config.data.tokenizer}"
     print(json.dumps(summary) if args.json else format_report(summary, where))
     return 0

@@ -6,8 +6,9 @@
 
 `preview` prints the first n rows after the row format, the chat template and the length limit (app/data/
 preview.py): each row's status, format, tokens and label tokens, and its decoded text with the
-loss-bearing tokens highlighted; --json prints {"rows": [{"index", "status", "format", "num_tokens",
-"label_tokens", "input_ids", "labels"}]} (labels: -100 where there is no loss).
+loss-bearing tokens highlighted; --json prints {"sources": {ID: {"rows", "tokens", "share"}}, "rows":
+[{"index", "status", "format", "reason", "source", "num_tokens", "label_tokens", "input_ids", "labels"}]}
+(labels: -100 where there is no loss; "sources": the rows by source over these rows, data.sources' mix).
 
 `synth`:
 
@@ -155,22 +156,27 @@ def _summary(args: argparse.Namespace, targets: Any, files: list[str], seconds: 
 
 def show_preview(args: argparse.Namespace) -> int:
     """`data preview`: rich text on a terminal, one JSON object with --json."""
-    from app.data.preview import labeled_spans, preview_rows, row_header
+    from app.data.preview import labeled_spans, preview_rows, row_header, source_shares
+    from app.data.scan import describe_sources
 
     if args.n < 1:
         raise ConfigError(f"-n must be >= 1, got {args.n}")
     config = config_from_args(args)
     rows, tok = preview_rows(config, args.n)
+    shares = source_shares(rows)
     if args.json:
-        print(json.dumps({"rows": [row.as_json() for row in rows]}))
+        print(json.dumps({"sources": shares, "rows": [row.as_json() for row in rows]}))
         return 0
     from rich.console import Console
     from rich.text import Text
 
     console = Console(highlight=False)
-    console.print(f"data preview: {len(rows)} rows of {config.data.source} data, tokenizer "
+    kind = f"{len(config.data.sources)} sources" if config.data.sources else f"{config.data.source} data"
+    console.print(f"data preview: {len(rows)} rows of {kind}, tokenizer "
                   f"{config.data.tokenizer}, template {config.data.chat_template}; [bold green]green[/] "
                   "tokens carry the loss")
+    if config.data.sources:
+        console.print(f"the mix over these rows: {describe_sources(shares)}")
     for row in rows:
         console.rule(row_header(row), align="left")
         text = Text()

@@ -77,7 +77,8 @@ def prepare(config: SkrullConfig, out: str, *, overwrite: bool = False) -> dict[
     seconds = time.perf_counter() - started
     return {"out": str(target), "rows": record["rows"], "shards": len(record["shards"]),
             "tokens": record["tokens"], "label_tokens": record["label_tokens"],
-            "counts": record["counts"], "formats": record["formats"], "tokenize_tasks": tasks,
+            "counts": record["counts"], "formats": record["formats"], "sources": record["sources"],
+            "tokenize_tasks": tasks,
             "seconds": round(seconds, 2), "rows_per_s": round(record["rows"] / max(seconds, 1e-9), 1)}
 
 

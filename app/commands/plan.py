@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         plot_ranks(runs, args.plot)
     if args.json:
         # "policies" first and unchanged: scripts read it; "too_long" says what data.too_long changed,
-        # "data" what the rows read were (by row format, malformed by reason), "cp_degrees" the configured
+        # "data" what the rows read were (by row format, malformed by reason; with data.sources "sources":
+        # {id: {"rows", "tokens", "share"}}, the mix of those rows), "cp_degrees" the configured
         # CP degrees against [1, N] and dynamic_cp (app/profiling/plan_report.py degree_summary)
         # "bucket_size" the C planned with, "bucket_size_source" config | memory (bucket_size=auto),
         # "memory" the modeled bytes per rank at ZeRO-2 and ZeRO-3, without and with activation offload, and
@@ -66,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     print(budget.line())
     if choice:
         print(choice.line())
+    if read.get("sources"):
+        from app.data.scan import describe_sources
+
+        print(f"data.sources over the {read['rows']} rows read: {describe_sources(read['sources'])}")
     if too_long.line():
         print(too_long.line())
     print(format_table(summary))

@@ -4,12 +4,14 @@
     ├── tokenizer.py   load_tokenizer(data.tokenizer) -> TextTokenizer (offline Qwen BPE or a HF tokenizer)
     ├── conversation.py  Conversation: the one row shape every format produces and the template renders
     ├── formats/       row formats behind a registry (messages, sharegpt, alpaca, prompt_completion, text),
-    │                  data.columns mapping, auto detection per row
+    │                  data.columns mapping, auto detection per row, per-message train / weight (fields.py)
     ├── chat_template.py / chat_encode.py  data.chat_template resolution, transformers rendering, label spans
     ├── template.py    one row -> Conversation -> input_ids, labels, status, label_tokens, format  (pure)
     ├── preview.py     `data preview`: the first rows as training sees them, decoded, labels highlighted
     ├── synth.py       seeded Markov-chain chat conversations with exact target token lengths (pure)
     ├── readers.py     format detection, ordered file lists, local (Ray-free) row batches
+    ├── sources.py     data.sources (or data.path) resolved per dataset: files, rows, take, checks naming
+    │                  the source; the mix's stream read locally (preview, plan; scheduling/mix.py)
     ├── hub.py         data.source=hf: datasets.load_dataset(path, name, split, data_files), once per process
     ├── ray_ops.py     the callable classes Ray Data runs in `map_batches` (generate, tokenize)
     ├── pipeline.py    tokenized_dataset(resolved, num_cpus, tasks): the Ray Data pipeline, stream order

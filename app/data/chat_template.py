@@ -177,24 +177,51 @@ def template_input(tok: TextTokenizer, template: ChatTemplate,
 
 def chat_spans(template: ChatTemplate, tok: TextTokenizer, conversation: Conversation,
                labels: str) -> tuple[str, list[Span]]:
-    """(rendered chat, character spans that carry a loss); MalformedRow when the row cannot be rendered."""
+    """(rendered chat, character spans that carry a loss); MalformedRow when the row cannot be rendered.
+
+    labels: all (every character, less the blocks of excluded messages) | assistant | last_turn (the
+    assistant messages of Conversation.trained_messages)."""
     messages, tools = template_input(tok, template, conversation)
     if labels == "all":
         (full,), _ = render_chats(template, tok, [messages], tools)
-        spans = [(0, len(full))]
+        blocks = _message_blocks(template, tok, messages, tools, full, sorted(conversation.excluded))
+        spans = _complement([(0, len(full))], blocks.values())
     elif template.generation:
+        turns = conversation.trained_messages(labels)
         (full,), (spans,) = render_chats(template, tok, [messages], tools, track=True)
-        if conversation.loss_from:
-            (head,), _ = render_chats(template, tok, [messages[: conversation.loss_from]], tools)
-            if not full.startswith(head):
-                raise MalformedRow(PREFIX_REASON)
-            spans = [(first, last) for first, last in spans if first >= len(head)]
+        every = [k for k, message in enumerate(messages) if message.get("role") == "assistant"]
+        if list(turns) != every:  # some assistant messages carry no loss: keep the spans inside the others
+            blocks = _message_blocks(template, tok, messages, tools, full, list(turns))
+            spans = [(first, last) for first, last in spans
+                     if any(start <= first < end for start, end in blocks.values())]
     else:
-        turns = [k for k, message in enumerate(messages)
-                 if k >= conversation.loss_from and message.get("role") == "assistant"]
+        turns = list(conversation.trained_messages(labels))
         full, spans = _prefix_spans(template, tok, messages, tools, turns)
     _check_tools_rendered(full, messages, tools)
     return full, spans
+
+
+def _message_blocks(template: ChatTemplate, tok: TextTokenizer, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]], full: str, indices: list[int]) -> dict[int, Span]:
+    """{k: [len(render(messages[:k])), len(render(messages[:k+1])))}: the characters message k adds to the
+    rendering (header, content, end of turn), by the prefix method; MalformedRow when the prefixes are not
+    prefixes of `full` (the prefix property, docs/design.md §12)."""
+    if not indices:
+        return {}
+    cuts = sorted({k for k in indices} | {k + 1 for k in indices})
+    rendered, _ = render_chats(template, tok, [messages[:n] for n in cuts if n], tools)
+    prefix = dict(zip([n for n in cuts if n], rendered, strict=True)) | {0: ""}
+    if not all(full.startswith(prefix[n]) for n in cuts):
+        raise MalformedRow(PREFIX_REASON)
+    return {k: (len(prefix[k]), len(prefix[k + 1])) for k in indices}
+
+
+def _complement(spans: list[Span], holes: Any) -> list[Span]:
+    """`spans` less the character ranges `holes`."""
+    for first, last in sorted(holes):
+        spans = [piece for start, end in spans
+                 for piece in ((start, min(end, first)), (max(start, last), end)) if piece[0] < piece[1]]
+    return spans
 
 
 def _prefix_spans(template: ChatTemplate, tok: TextTokenizer, messages: list[dict[str, Any]],

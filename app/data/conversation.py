@@ -16,6 +16,7 @@ calls tools): adapters join list-of-parts text content before it gets here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +41,36 @@ class Conversation:
     """data.labels=assistant: only assistant turns at message index >= loss_from carry a loss."""
     format: str = ""
     """The row format that produced it (app/data/formats/ registry name), shown in the data summary."""
+    excluded: frozenset[int] = frozenset()
+    """Messages whose `train: false` / `weight: 0` field leaves them out of the loss in every data.labels
+    mode (app/data/formats/fields.py)."""
 
     def __post_init__(self) -> None:
         if bool(self.messages) == bool(self.segments):
             raise ValueError("a Conversation holds messages or segments, exactly one of them")
         if not 0 <= self.loss_from <= len(self.messages):
             raise ValueError(f"loss_from={self.loss_from} is outside the {len(self.messages)} messages")
+        if any(not 0 <= k < len(self.messages) for k in self.excluded):
+            raise ValueError(f"excluded={sorted(self.excluded)} is outside the {len(self.messages)} messages")
 
     @property
     def is_chat(self) -> bool:
         return bool(self.messages)
+
+    def trained_messages(self, labels: str) -> tuple[int, ...]:
+        """The assistant messages whose tokens carry a loss under data.labels=assistant | last_turn: those at
+        index >= loss_from (last_turn: the final one of them), less the excluded ones."""
+        turns = [k for k, message in enumerate(self.messages)
+                 if k >= self.loss_from and message.get("role") == "assistant"]
+        if labels == "last_turn":
+            turns = turns[-1:]
+        return tuple(k for k in turns if k not in self.excluded)
+
+    def excludes_a_trained_message(self, labels: str) -> bool:
+        """Whether a per-message field took away a message the label rule would train (status excluded)."""
+        if not self.excluded:
+            return False
+        if labels == "all":
+            return True
+        every = dataclasses.replace(self, excluded=frozenset()).trained_messages(labels)
+        return bool(set(every) & self.excluded)

@@ -1,7 +1,8 @@
 """Token lengths of a run's dataset without Ray, for the `plan` dry run.
 
     data.source=path | hf  read rows locally (pyarrow / datasets / JSONL lines), tokenize them with the same
-                           template code Ray Data runs, and keep the lengths of usable rows
+    data.sources           template code Ray Data runs, and keep the lengths of usable rows (a mix: its
+                           stream, the weighted interleave the planner trains in: scheduling/mix.py)
     data.source=synthetic  the synthetic targets (the generator hits them exactly: see app/data/synth.py),
                            raised to the shortest conversation the template allows
     data.source=prepared   the shards' num_tokens and status columns (app/data/prepared.py), after the
@@ -15,6 +16,7 @@ rows read; above data.max_malformed_fraction `plan` stops with the same DataErro
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -23,10 +25,9 @@ import numpy as np
 from app.config import DataConfig
 from app.data.formats import check_format_settings, count_formats
 from app.data.malformed import MalformedTally, check_malformed
-from app.data.readers import iter_local_rows, resolve_source
 from app.data.resolved import template_settings
+from app.data.sources import mix_spec, mixed_local_rows, resolve_sources, tokenize_by_source
 from app.data.synth import ConversationSynth, target_lengths
-from app.data.template import tokenize_rows
 from app.data.tokenizer import load_tokenizer
 from scheduling.payload import RowStatus
 
@@ -38,11 +39,14 @@ class LocalScan:
     lengths: np.ndarray
     malformed: MalformedTally = field(default_factory=MalformedTally)
     formats: dict[str, int] = field(default_factory=dict)
+    sources: dict[str, dict[str, float]] = field(default_factory=dict)
+    """With data.sources: {id: {"rows", "tokens", "share"}} over the rows read (tokens of usable rows)."""
 
     def as_json(self) -> dict[str, object]:
-        """{"rows", "usable_rows", "formats": {name: count}, "malformed": {...}} for `plan --json`."""
+        """{"rows", "usable_rows", "formats": {name: count}, "malformed": {...}} for `plan --json`, and
+        "sources" with data.sources."""
         return {"rows": self.malformed.rows, "usable_rows": len(self.lengths), "formats": dict(self.formats),
-                "malformed": self.malformed.as_json()}
+                "malformed": self.malformed.as_json()} | ({"sources": self.sources} if self.sources else {})
 
 
 def dataset_token_lengths(data: DataConfig, limit: int | None = None) -> np.ndarray:
@@ -63,51 +67,93 @@ def scan_local(data: DataConfig, limit: int | None = None, max_length: int | Non
     if data.source == "prepared":
         return _scan_prepared(data, limit, max_length)
     tok = load_tokenizer(data.tokenizer)
-    if data.source == "synthetic":
+    if data.synthetic:
         num = data.num_samples if limit is None else min(limit, data.num_samples)
         targets = target_lengths(data.distribution, data.num_samples, data.seed, data.length_scale)[:num]
         tally = MalformedTally(rows=num)
         return LocalScan(np.maximum(targets, ConversationSynth(tok).min_length()), tally, {"messages": num})
     check_format_settings(data.format_type, data.columns)
     settings = template_settings(data, None)  # the run's template settings, without a length limit
+    sources = resolve_sources(data, settings)
     lengths: list[int] = []
     malformed = MalformedTally()
     formats: Counter[str] = Counter()
-    remaining = limit
-    for rows in iter_local_rows(resolve_source(data), data.tokenize_batch_size):
-        if remaining is not None:
-            rows = rows[:remaining]
-            remaining -= len(rows)
-        out = tokenize_rows(rows, tok, settings)
+    tally = SourceTally([source.id for source in sources])
+    stream = mixed_local_rows(sources, mix_spec(data), data.tokenize_batch_size)
+    while chunk := list(itertools.islice(stream, _chunk(data, limit, malformed.rows))):
+        out = tokenize_by_source(chunk, tok, sources)
         malformed.add(out.status, out.reason)
         count_formats(formats, out.format)
-        lengths += [n for n, status in zip(out.num_tokens, out.status, strict=True) if status == RowStatus.OK]
-        if remaining == 0:
-            break
+        ok = [status == RowStatus.OK for status in out.status]
+        lengths += [n for n, good in zip(out.num_tokens, ok, strict=True) if good]
+        tally.add([which for which, _ in chunk], out.num_tokens, ok)
     check_malformed(data, malformed)
-    return LocalScan(np.asarray(lengths, dtype=np.int64), malformed, dict(formats.most_common()))
+    return LocalScan(np.asarray(lengths, dtype=np.int64), malformed, dict(formats.most_common()),
+                     tally.stats() if data.sources else {})
+
+
+def _chunk(data: DataConfig, limit: int | None, read: int) -> int:
+    """Rows to read next: a tokenize batch, at most what `limit` leaves."""
+    return data.tokenize_batch_size if limit is None else min(data.tokenize_batch_size, limit - read)
+
+
+class SourceTally:
+    """Rows and usable tokens by source over rows read in stream order: the mix `plan` and `data preview`
+    show ({id: {"rows", "tokens", "share"}})."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = ids
+        self.rows = [0] * len(ids)
+        self.tokens = [0] * len(ids)
+
+    def add(self, sources: list[int], tokens: list[int], usable: list[bool]) -> None:
+        for which, count, good in zip(sources, tokens, usable, strict=True):
+            self.rows[which] += 1
+            self.tokens[which] += count if good else 0
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        total = max(sum(self.rows), 1)
+        return {name: {"rows": rows, "tokens": tokens, "share": round(rows / total, 4)}
+                for name, rows, tokens in zip(self.ids, self.rows, self.tokens, strict=True)}
 
 
 def _scan_prepared(data: DataConfig, limit: int | None, max_length: int | None) -> LocalScan:
     """scan_local of a prepared set: its rows' statuses and lengths as `data prepare` wrote them (already
-    cut to max_length: truncated rows count as usable, as the run's stream has them)."""
-    from app.data.prepared import iter_rows
+    cut to max_length: truncated rows count as usable, as the run's stream has them), in the stream's
+    order (with data.sources: the weighted interleave of the sources' rows, scheduling/mix.py)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from app.data.resolved import resolve_data
+    from scheduling.mix import stream_rows
     from scheduling.payload import USABLE_STATUSES
 
     if max_length is None:
         raise ValueError("a prepared set is checked against the run's maximum sequence length: max_length")
     source = resolve_data(data, max_length=max_length).source
-    lengths: list[int] = []
+    columns = ["num_tokens", "status", "reason", "format", "source"]
+    table = pa.concat_tables([pq.read_table(file, columns=columns, filesystem=source.filesystem)
+                              for file in source.files])
+    rows = {name: table.column(name).to_numpy(zero_copy_only=False) for name in columns}
+    spec = mix_spec(data)
+    if spec is not None:
+        names, codes = np.unique(rows["source"].astype(str), return_inverse=True)
+        ids = tuple(entry.source_id for entry in data.sources)
+        order = stream_rows(codes, [str(n) for n in names], ids, spec).table_rows
+    else:
+        order = np.arange(table.num_rows)
+    order = order[:limit] if limit is not None else order
+    status = rows["status"][order].astype(str)
     malformed = MalformedTally()
+    malformed.add(status, rows["reason"][order])
     formats: Counter[str] = Counter()
-    columns = ("num_tokens", "status", "reason", "format")
-    for rows in iter_rows(source, data.tokenize_batch_size, columns):
-        rows = rows if limit is None else rows[: limit - malformed.rows]
-        malformed.add([r["status"] for r in rows], [r["reason"] for r in rows])
-        count_formats(formats, [r["format"] for r in rows])
-        lengths += [r["num_tokens"] for r in rows if r["status"] in USABLE_STATUSES]
-        if limit is not None and malformed.rows >= limit:
-            break
+    count_formats(formats, rows["format"][order].astype(str))
+    usable = np.isin(status, USABLE_STATUSES)
+    lengths = rows["num_tokens"][order][usable].astype(np.int64)
+    tally = SourceTally([entry.source_id for entry in data.sources])
+    if data.sources:
+        index = {entry.source_id: i for i, entry in enumerate(data.sources)}
+        tally.add([index[str(name)] for name in rows["source"][order]],
+                  rows["num_tokens"][order].tolist(), usable.tolist())
     check_malformed(data, malformed)
-    return LocalScan(np.asarray(lengths, dtype=np.int64), malformed, dict(formats.most_common()))
+    return LocalScan(lengths, malformed, dict(formats.most_common()), tally.stats() if data.sources else {})

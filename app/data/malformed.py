@@ -100,6 +100,8 @@ def data_location(data: DataConfig) -> str:
         return f"data.path={data.path!r} (data.source=hf, data.split={data.split!r})"
     if data.source == "prepared":
         return f"data.path={data.path!r} (data.source=prepared)"
+    if data.sources:
+        return f"data.sources ({', '.join(entry.source_id for entry in data.sources)})"
     return f"data.source=synthetic (data.num_samples={data.num_samples})"
 
 

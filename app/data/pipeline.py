@@ -2,13 +2,16 @@
 
     data.source=path        read_parquet(files) | read_text(jsonl files) | from_arrow(load_from_disk)
     data.source=hf          from_arrow(load_dataset(data.path, data.name, data.split, data.data_files))
-                            [-> repartition(TOKENIZE_BLOCK_ROWS rows a block): from_arrow, several tasks]
-                            -> map_batches(tokenize)
+                            [-> repartition: from_arrow, several tasks]
+                            blocks sized by bytes (block_counts: BLOCK_BYTES a block, >= 2 per task)
+    data.sources            each source read as above (its file in a `path` column), [-> limit(its take)],
+                            union of them all
+                            -> map_batches(tokenize): one map, so data.tokenize_concurrency holds for the mix
     data.source=synthetic   range(data.num_samples) -> map_batches(synthesize_and_tokenize)
     data.source=prepared    read_parquet(the manifest's shards): the rows `data prepare` tokenized
                             (app/data/prepared.py), no map
     all                     -> rows {input_ids, labels, num_tokens, raw_tokens, label_tokens, status, reason,
-                                     format}
+                                     format, source}
 
 The tokenize map runs `tasks` Ray tasks at once (`TaskPoolStrategy(size=tasks)`, resources.data_cpus each;
 data.tokenize_concurrency, app/data/concurrency.py): Ray Data hands each task the next block, so many
@@ -19,6 +22,9 @@ an in-memory `datasets` table) keep every task busy until the end. Plain functio
 The planner numbers samples by their position in this stream and resumes by skipping a count, so the
 pipeline sets `DataContext.preserve_order = True` (each operator hands its blocks on in input order,
 whatever order its tasks finish in) and reads files in sorted order: the rows do not depend on `tasks`.
+With several sources the union hands their blocks on round-robin (Ray Data's order with preserve_order),
+which depends on how the reads cut their blocks; the run's stream does not: it is the weighted interleave
+of each source's rows in their own order (scheduling/mix.py), whichever way the table holds them.
 Everything that can be wrong with the input (missing path, unknown format, a tokenizer that does not load,
 a manifest that disagrees with the config) was checked on the driver, before any Ray task starts, by
 resolve_data (app/data/resolved.py), whose result the pipeline takes. Nothing here calls `ray.init`: the
@@ -33,17 +39,30 @@ import os
 import warnings
 from typing import Any
 
+import numpy as np
+
 from app.config import DataConfig
 from app.data import DataError
+from app.data.ray_env import apply_executor_settings
 from app.data.ray_ops import TOKENIZED_COLUMNS, ShardTarget, synthesize_and_tokenize, tokenize
-from app.data.readers import DataSource, arrow_table
+from app.data.readers import PATH_COLUMN, DataSource, arrow_table
 from app.data.resolved import ResolvedData
+from app.data.sources import ResolvedSource
 from app.data.template import TemplateSettings
 
-TOKENIZE_BLOCK_ROWS = 1024
-"""Rows per block of a `datasets` source when several tokenize tasks run: ~1 s of work for LMSYS-like
-chats (~1,400 rows/s a core, measured 2026-11-26), so a task's start-up is a small part of it and the last
-blocks leave no task idle for long."""
+BLOCK_BYTES = 2 << 20
+"""Input bytes a tokenize block holds (~1 s of one core's work on JSON chats: ~2 MB/s with a Llama-3-style
+tokenizer, 2026-11-28). A block costs a fixed ~0.07 s beside its rows (Ray Data's executor waits up to 0.1 s
+for its tasks before it starts the next one; measured on 2 cores, 20,000 ~150-token chats, two tasks, warm:
+2 or 4 blocks 3.45 s, 8 blocks 3.71 s, 16 blocks 3.89 s), so blocks sized by their bytes keep that small on
+short rows, where Ray Data's own read split (2 x CPUs blocks at least) made blocks of ~0.7 s; on larger
+files the blocks stay small enough that a long row (Ray Data splits a file into blocks of equal row counts)
+leaves no task idle for long."""
+BLOCKS_PER_TASK = 2
+"""At least this many blocks per tokenize task: rows of unequal length make equal row counts unequal work,
+and a second block per task evens the tail."""
+PARQUET_EXPANSION = 3
+"""Decoded bytes per Parquet byte, the estimate a block count is sized by (text compresses ~3x)."""
 
 
 def tokenized_dataset(data: ResolvedData, *, num_cpus: float, tasks: int = 1,
@@ -67,24 +86,65 @@ def tokenized_dataset(data: ResolvedData, *, num_cpus: float, tasks: int = 1,
     warnings.filterwarnings("ignore", message=r"The maximum number of concurrent tasks for 'MapBatches\(",
                             category=UserWarning)
     ray.data.DataContext.get_current().execution_options.preserve_order = True
+    apply_executor_settings()  # app/data/ray_env.py: every tokenize task from the start
     if write is not None:
         write = dataclasses.replace(write, batch_rows=data.config.tokenize_batch_size)
     if data.manifest is not None:
         # select_columns is pushed down into the Parquet read (no map of its own)
         shards = read_parquet(data.source.files, data.source.filesystem, num_cpus=num_cpus)
         return shards.select_columns(list(TOKENIZED_COLUMNS))
-    if data.source is None:
+    if data.config.synthetic:
         return _synthetic_dataset(data.config, data.settings, num_cpus, tasks, write)
-    source, json_lines = _source_dataset(data.source)
-    if tasks > 1 and data.source.format not in ("parquet", "jsonl"):
-        # from_arrow is one block, which would feed a single task; a file read is already split (Ray Data's
-        # read parallelism: max(min(200, size / 1 MiB), 2 x CPUs) blocks), which a repartition would only cut
-        source = source.repartition(target_num_rows_per_block=TOKENIZE_BLOCK_ROWS)
-    return source.map_batches(
-        tokenize, fn_kwargs={"tokenize": (data.config.tokenizer, data.settings, json_lines), "write": write},
-        batch_size=data.config.tokenize_batch_size if write is None else None, batch_format="pyarrow",
-        compute=ray.data.TaskPoolStrategy(size=tasks), num_cpus=num_cpus,
+    rows = sources_dataset(data.sources, tasks)
+    specs = tuple(source.spec(data.config.tokenizer) for source in data.sources)
+    return rows.map_batches(
+        tokenize, fn_kwargs={"sources": specs, "batch_rows": data.config.tokenize_batch_size, "write": write},
+        batch_size=None, batch_format="pyarrow", compute=ray.data.TaskPoolStrategy(size=tasks),
+        num_cpus=num_cpus,
     )
+
+
+def sources_dataset(sources: tuple[ResolvedSource, ...], tasks: int) -> Any:
+    """Every source's raw rows in blocks sized by bytes (block_counts), each cut to its `take`; several: each
+    with its files in `path`, unioned."""
+    mixed = len(sources) > 1
+    tables = [arrow_table(source.data) if source.data.format not in ("parquet", "jsonl") else None
+              for source in sources]
+    sizes = [_input_bytes(source, table) for source, table in zip(sources, tables, strict=True)]
+    counts = block_counts(sizes, tasks)
+    datasets = []
+    for source, table, blocks in zip(sources, tables, counts, strict=True):
+        rows = _source_dataset(source.data, with_paths=mixed, blocks=blocks, table=table)
+        if source.take is not None:
+            rows = rows.limit(source.take)
+        if tasks > 1 and table is not None:  # from_arrow is one block, which would feed a single task
+            rows = rows.repartition(blocks)
+        datasets.append(rows)
+    return datasets[0].union(*datasets[1:]) if mixed else datasets[0]
+
+
+def block_counts(sizes: list[float], tasks: int) -> list[int]:
+    """Blocks to read each source in: BLOCK_BYTES of input a block, at least BLOCKS_PER_TASK per task over
+    all sources (a multiple of `tasks`), shared by the sources in proportion to their bytes."""
+    total = max(sum(sizes), 1.0)
+    blocks = tasks * max(BLOCKS_PER_TASK, math.ceil(total / (tasks * BLOCK_BYTES)))
+    return [max(1, round(blocks * size / total)) for size in sizes]
+
+
+def _input_bytes(source: ResolvedSource, table: Any) -> float:
+    """The bytes of input a source gives the tokenizer (its take's share of them)."""
+    data = source.data
+    if table is not None:
+        size = float(table.nbytes)
+    else:
+        import pyarrow.fs as pafs
+
+        filesystem = data.filesystem or pafs.LocalFileSystem()
+        size = float(sum(info.size for info in filesystem.get_file_info(list(data.files))))
+        size *= PARQUET_EXPANSION if data.format == "parquet" else 1
+    if source.take is not None and data.num_rows:
+        size *= min(1.0, source.take / data.num_rows)
+    return size
 
 
 def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: float, tasks: int,
@@ -99,29 +159,43 @@ def _synthetic_dataset(data: DataConfig, settings: TemplateSettings, num_cpus: f
     synthesize = (data.tokenizer, data.distribution, data.num_samples, data.seed, data.length_scale)
     return ray.data.range(data.num_samples, override_num_blocks=blocks).map_batches(
         synthesize_and_tokenize,
-        fn_kwargs={"synthesize": synthesize, "tokenize": (data.tokenizer, settings), "write": write},
+        fn_kwargs={"synthesize": synthesize, "tokenize": (data.tokenizer, settings, False, SYNTHETIC),
+                   "write": write},
         batch_size=data.tokenize_batch_size if write is None else None, batch_format="pyarrow",
         compute=ray.data.TaskPoolStrategy(size=tasks), num_cpus=num_cpus,
     )
 
 
-def _source_dataset(source: DataSource) -> tuple[Any, bool]:
-    """(rows dataset of a resolved data.path, every column; whether its `text` column holds raw JSONL
-    lines).
+SYNTHETIC = "synthetic"
+"""The source id of the synthetic source's rows."""
+
+
+def _source_dataset(source: DataSource, *, with_paths: bool = False, blocks: int | None = None,
+                    table: Any = None) -> Any:
+    """The rows of a resolved source, every column (JSONL: the raw lines in `text`), a file read in
+    `blocks` blocks (None: Ray Data's choice); `with_paths`: each row's file in PATH_COLUMN (a `datasets`
+    source, `table`: its first file, for every row).
 
     A `datasets` source (save_to_disk or load_dataset) goes in as the Arrow table resolve_source already
     loaded, which is what `ray.data.from_huggingface` does with a local Dataset, minus its first step: that
     one reloads the dataset by name and asks huggingface.co for a parquet export to read over HTTP instead
     (a second load, then HTTP requests that HF_HUB_OFFLINE does not stop, from the driver and Ray tasks).
     """
+    import pyarrow as pa
     import ray.data
 
     if source.format == "parquet":
-        return read_parquet(source.files, source.filesystem), False
+        return read_parquet(source.files, source.filesystem, include_paths=with_paths, blocks=blocks)
     if source.format == "jsonl":
-        lines = ray.data.read_text(list(source.files), drop_empty_lines=True, filesystem=source.filesystem)
-        return lines, True
-    return ray.data.from_arrow(arrow_table(source)), False
+        return ray.data.read_text(list(source.files), drop_empty_lines=True, filesystem=source.filesystem,
+                                  include_paths=with_paths, override_num_blocks=blocks)
+    table = arrow_table(source) if table is None else table
+    if with_paths:
+        marker = pa.DictionaryArray.from_arrays(pa.array(np.zeros(table.num_rows, np.int32)),
+                                                pa.array([source.files[0]]))
+        table = table.drop_columns([c for c in (PATH_COLUMN,) if c in table.column_names])
+        table = table.append_column(PATH_COLUMN, marker.cast(pa.string()))
+    return ray.data.from_arrow(table)
 
 
 FOOTER_ACTORS_KNOB = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
@@ -136,7 +210,8 @@ def footer_actors(num_files: int) -> int:
     return max(1, min(MAX_FOOTER_ACTORS, math.ceil(num_files / FILES_PER_FOOTER_BATCH)))
 
 
-def read_parquet(files: tuple[str, ...], filesystem: Any, *, num_cpus: float | None = None) -> Any:
+def read_parquet(files: tuple[str, ...], filesystem: Any, *, num_cpus: float | None = None,
+                 include_paths: bool = False, blocks: int | None = None) -> Any:
     """ray.data.read_parquet(files), with a footer-reader pool sized to the files.
 
     Ray Data's parquet reader lists its input by reading every footer on a pool of
@@ -150,7 +225,8 @@ def read_parquet(files: tuple[str, ...], filesystem: Any, *, num_cpus: float | N
     import ray.data
 
     def read() -> Any:
-        return ray.data.read_parquet(list(files), filesystem=filesystem, num_cpus=num_cpus)
+        return ray.data.read_parquet(list(files), filesystem=filesystem, num_cpus=num_cpus,
+                                     include_paths=include_paths, override_num_blocks=blocks)
 
     if FOOTER_ACTORS_KNOB in os.environ:
         return read()

@@ -69,7 +69,7 @@ def fold_summaries(data: ResolvedData, blocks: Iterable[Any], *,
         "counts": {status: n for status, n in scan.counts.items() if n}, "formats": scan.formats,
         "tokens": int(scan.lengths.sum()), "label_tokens": scan.label_tokens,
         "malformed": scan.malformed.as_json(),
-        "source": source_record(data.config, data.fingerprints["data.path"]),
+        "sources": scan.source_rows(), "source": source_record(data.config, data.fingerprints),
         "identity": data.identity(),
     }
     return record, scan

@@ -5,10 +5,15 @@
     │                                 shard per block a tokenize task wrote (app/data/prepare.py)
     └── skrull_prepared.json          the manifest, written last (a reader needs it, so a prepare that
                                       stopped half-way is never read); its shard list is the stream order:
-        {"format": "skrull-prepared", "version": 1, "rows": N, "shards": [[name, rows], ...],
+        {"format": "skrull-prepared", "version": 2, "rows": N, "shards": [[name, rows], ...],
          "counts": {status: n}, "formats": {format: n}, "tokens": usable tokens, "label_tokens": ...,
-         "source": {"data.source", "data.path" (redacted), ...; "fingerprint": app/data/fingerprint.py},
+         "sources": {id: rows in the shards},
+         "source": {"data.source", "data.path" (redacted), ...; or "data.sources": [each entry's keys];
+                    "fingerprint": app/data/fingerprint.py, of each source},
          "identity": {knob: value}}
+
+The shards hold every source's rows (each row's `source` column names its entry), in the order Ray Data's
+union handed them on; the planner mixes them by weight as for a tokenizing run (scheduling/mix.py).
 
 `identity` is what the rows depend on, by the config knob that sets it (IDENTITY_KNOBS):
 
@@ -17,6 +22,9 @@
     data.max_length      the maximum sequence length the rows were cut / dropped at (data.max_length
                          capped by scheduling.bucket_size * parallel.cp_size)
     data.too_long, data.truncate_side, data.labels, data.format_type, data.columns, data.add_eos
+    data.sources         each entry's id, weight, max_samples, format_type and columns (where its rows came
+                         from is the source record's); [] for one source
+    data.mix_exhausted
 
 A run with data.source=prepared computes the same record from its own config (identity_of) and
 `check_identity` refuses, before Ray starts, with one DataError naming every knob that differs (the
@@ -44,9 +52,12 @@ from workers.storage import Location, redact_uri
 
 MANIFEST = "skrull_prepared.json"
 FORMAT = "skrull-prepared"
-VERSION = 1
+VERSION = 2
 IDENTITY_KNOBS = ("data.tokenizer", "data.chat_template", "data.max_length", "data.too_long",
-                  "data.truncate_side", "data.labels", "data.format_type", "data.columns", "data.add_eos")
+                  "data.truncate_side", "data.labels", "data.format_type", "data.columns", "data.add_eos",
+                  "data.sources", "data.mix_exhausted")
+SOURCE_IDENTITY = ("id", "weight", "max_samples", "format_type", "columns")
+"""What a data.sources entry's rows depend on (and the mix: its weight), for the identity."""
 _BY_HASH = ("data.tokenizer", "data.chat_template")
 """Compared by their "sha256" only (the name or setting says where it came from)."""
 PREPARE_HINT = "python -m app data prepare --config X --set data.source=path --set data.path=RAW --out DIR"
@@ -94,19 +105,31 @@ def identity_of(data: DataConfig, tok: TextTokenizer, settings: TemplateSettings
         "data.truncate_side": data.truncate_side, "data.labels": data.labels,
         "data.format_type": data.format_type, "data.columns": dict(sorted(data.columns.items())),
         "data.add_eos": data.add_eos,
+        "data.sources": [{"id": entry.source_id, "weight": entry.weight, "max_samples": entry.max_samples,
+                          "format_type": entry.format_type, "columns": dict(sorted(entry.columns.items()))}
+                         for entry in data.sources],
+        "data.mix_exhausted": data.mix_exhausted if data.sources else None,
     }
 
 
-def source_record(data: DataConfig, fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """What the rows were read from, for the manifest: the data.* source keys and their fingerprint."""
+def source_record(data: DataConfig, fingerprints: dict[str, Any]) -> dict[str, Any]:
+    """What the rows were read from, for the manifest: the data.* source keys (data.sources' entries) and
+    their fingerprints (ResolvedData.fingerprints: {"data.path": ...} or {"data.sources[i]": ...})."""
+    if data.sources:
+        entries = [{"id": entry.source_id} | {key: _shown_value(getattr(entry, key)) for key in (
+            "source", "path", "name", "split", "data_files", "format")} for entry in data.sources]
+        fingerprint = {key: value for key, value in fingerprints.items() if key.startswith("data.sources")}
+        return {"data.sources": entries, "fingerprint": fingerprint}
     keys = {"synthetic": ("distribution", "num_samples", "seed", "length_scale"),
             "hf": ("path", "name", "split", "data_files"), "path": ("path", "format")}[data.source]
     record: dict[str, Any] = {"data.source": data.source}
     for key in keys:
-        value = getattr(data, key)
-        record[f"data.{key}"] = redact_uri(value) if isinstance(value, str) else \
-            list(value) if isinstance(value, tuple) else value
-    return record | {"fingerprint": fingerprint}
+        record[f"data.{key}"] = _shown_value(getattr(data, key))
+    return record | {"fingerprint": fingerprints["data.path"]}
+
+
+def _shown_value(value: Any) -> Any:
+    return redact_uri(value) if isinstance(value, str) else list(value) if isinstance(value, tuple) else value
 
 
 def read_manifest(data: DataConfig) -> Manifest:
@@ -143,7 +166,11 @@ def check_identity(manifest: Manifest, expected: dict[str, Any], data: DataConfi
         return
     parts = [f"{knob}: prepared with {_shown(knob, recorded.get(knob))}, this config has "
              f"{_shown(knob, expected[knob])}{_LIMIT if knob == 'data.max_length' else ''}"
-             for knob in differ]
+             for knob in differ if knob != "data.sources"]
+    if "data.sources" in differ:
+        entries = source_differences(recorded.get("data.sources") or [], expected["data.sources"])
+        parts.append("; ".join(entries))
+        differ = [knob for knob in differ if knob != "data.sources"] + [e.split(":")[0] for e in entries]
     raise DataError(
         f"data.path={redact_uri(data.path)!r} was prepared with other settings than this run's: "
         f"{'; '.join(parts)}. Set {', '.join(differ)} as the set was prepared, or prepare it again with "
@@ -151,6 +178,17 @@ def check_identity(manifest: Manifest, expected: dict[str, Any], data: DataConfi
 
 
 _LIMIT = " (the maximum sequence length: data.max_length capped by scheduling.bucket_size * parallel.cp_size)"
+
+
+def source_differences(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[str]:
+    """`data.sources[i].key: prepared with X, this config has Y` for each entry key that differs (an entry
+    added or removed: `data.sources: N entries ... M`)."""
+    if len(before) != len(now):
+        return [f"data.sources: prepared with {len(before)} entries ({[e.get('id') for e in before]}), this "
+                f"config has {len(now)} ({[e.get('id') for e in now]})"]
+    return [f"data.sources[{i}].{key}: prepared with {old.get(key)!r}, this config has {new.get(key)!r}"
+            for i, (old, new) in enumerate(zip(before, now, strict=True)) for key in SOURCE_IDENTITY
+            if old.get(key) != new.get(key)]
 
 
 def _key(knob: str, value: Any) -> Any:

@@ -2,9 +2,18 @@
 
     ray.data.range(n) --SynthesizeBatch--> {sample_id, messages}          (data.source: synthetic)
     read_parquet / read_text / from_arrow --> {every column of the rows | json_line rows}
-        --TokenizeBatch--> {input_ids list<int32>, labels list<int32>, num_tokens, raw_tokens, label_tokens,
-                            status, reason ("" unless status is malformed), format (the row format)}
+        [several sources: each read with its file in a `path` column, the reads unioned]
+        --SourcesTokenizer: each row's source (by its file), that source's TokenizeBatch-->
+        {input_ids list<int32>, labels list<int32>, num_tokens, raw_tokens, label_tokens,
+         status, reason ("" unless status is malformed), format (the row format), source (its source's id)}
         [--write_shard--> the block as one Parquet shard; returned: its scan columns + `shard` (its name)]
+
+A call gets a whole block (`batch_size=None`: a union's blocks each come from one source, and Ray Data would
+otherwise concatenate rows of two sources' schemas into one batch) and yields the tokenized rows a slice at
+a time (Ray Data gathers them into output blocks, so a task holds one slice of output at a time, not its
+block's). A slice is data.tokenize_batch_size rows, or more when they are short: about SLICE_BYTES of input
+(slice_rows), since each tokenize call has a fixed cost (template and tokenizer setup, a batch encode,
+building Arrow columns) that 64 rows of ~150 tokens pay ~10% on.
 
 `tokenize` and `synthesize_and_tokenize` are plain functions, so Ray Data runs them as tasks (an actor-pool
 map would be a process of its own beside the read task, ~2-4 s of CPU to start); each builds its classes
@@ -22,20 +31,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from app.data.readers import PATH_COLUMN
 from app.data.synth import ConversationSynth, synth_conversations, target_lengths
 from app.data.template import TemplateSettings, tokenize_rows
 from app.data.tokenizer import load_tokenizer
 
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 TOKENIZED_COLUMNS = ("input_ids", "labels", "num_tokens", "raw_tokens", "label_tokens", "status", "reason",
-                     "format")
+                     "format", "source")
+
 """A tokenized row (TokenizeBatch's output): what the planner, the scan and `data prepare` read."""
 
 
@@ -66,13 +77,17 @@ class TokenizeBatch:
     json_lines: the batch is `ray.data.read_text` output whose `text` column holds raw JSONL lines.
     """
 
-    def __init__(self, tokenizer: str, settings: TemplateSettings, json_lines: bool = False) -> None:
+    def __init__(self, tokenizer: str, settings: TemplateSettings, json_lines: bool = False,
+                 source: str = "") -> None:
         self.tok = load_tokenizer(tokenizer)
         self.settings = settings
         self.json_lines = json_lines
+        self.source = source
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         out = tokenize_rows(self._rows(batch), self.tok, self.settings)
+        source = pa.DictionaryArray.from_arrays(pa.array(np.zeros(batch.num_rows, np.int32)),
+                                                pa.array([self.source]))
         return pa.table({
             "input_ids": int32_lists(out.input_ids), "labels": int32_lists(out.labels),
             "num_tokens": pa.array(out.num_tokens, pa.int64()),
@@ -81,6 +96,7 @@ class TokenizeBatch:
             "status": pa.array(out.status, pa.string()),
             "reason": pa.array(out.reason, pa.string()),
             "format": pa.array(out.format, pa.string()),
+            "source": source.cast(pa.string()),
         })
 
     def _rows(self, batch: pa.Table) -> list[dict[str, Any]]:
@@ -145,11 +161,64 @@ def write_shard(rows: pa.Table, tokenize: Callable[[pa.Table], pa.Table], target
     return summary.append_column(SHARD_COLUMN, shard)
 
 
-def tokenize(batch: pa.Table, tokenize: tuple[Any, ...], write: ShardTarget | None = None) -> pa.Table:
-    """TokenizeBatch(*tokenize)(batch): rows of data.path -> tokenized rows (with `write`: written as a
-    shard, and its summary returned)."""
-    tokenizer = _tokenizer_of(*tokenize)
-    return tokenizer(batch) if write is None else write_shard(batch, tokenizer, write)
+class SourcesTokenizer:
+    """Rows of one or several sources -> tokenized rows, each row by its own source's TokenizeBatch.
+
+    `sources`: per source (tokenizer, TemplateSettings, json_lines, id, its files) (app/data/sources.py
+    ResolvedSource.spec). With several, a row's source is the one whose files hold its `path`; the rows of
+    a block come from one read, so they are tokenized in runs of one source.
+    """
+
+    def __init__(self, sources: tuple[tuple[Any, ...], ...]) -> None:
+        self.batches = [_tokenizer_of(*spec[:4]) for spec in sources]
+        self.by_file = {file: index for index, spec in enumerate(sources) for file in spec[4]}
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        if len(self.batches) == 1:
+            return self.batches[0](batch)
+        rows = batch.drop_columns([PATH_COLUMN])  # a mix reads every source with it
+        if not batch.num_rows:
+            return self.batches[0](rows)
+        which = self._sources(batch.column(PATH_COLUMN))
+        starts = np.flatnonzero(np.diff(which, prepend=-1))
+        ends = np.append(starts[1:], len(which))
+        return pa.concat_tables([self.batches[which[start]](rows.slice(start, end - start))
+                                 for start, end in zip(starts, ends, strict=True)])
+
+    def _sources(self, paths: Any) -> np.ndarray:
+        """The source index of each row, from its file."""
+        encoded = (paths.combine_chunks() if hasattr(paths, "combine_chunks") else paths).dictionary_encode()
+        files = encoded.dictionary.to_pylist()
+        unknown = [file for file in files if file not in self.by_file]
+        if unknown:
+            raise RuntimeError(f"a row of file {unknown[0]!r}, which no source reads")
+        index = np.asarray([self.by_file[file] for file in files], dtype=np.int64)
+        return index[encoded.indices.to_numpy(zero_copy_only=False)]
+
+
+SLICE_BYTES = 256 << 10
+"""Input bytes a tokenize call gets at least (~60k tokens of JSON chat), unless tokenize_batch_size rows are
+more."""
+
+
+def slice_rows(block: pa.Table, batch_rows: int) -> int:
+    """Rows per tokenize call over `block`: batch_rows, or as many as make SLICE_BYTES of its rows."""
+    if not block.num_rows:
+        return batch_rows
+    return max(batch_rows, int(SLICE_BYTES * block.num_rows // max(block.nbytes, 1)))
+
+
+def tokenize(batch: pa.Table, sources: tuple[tuple[Any, ...], ...], batch_rows: int = 64,
+             write: ShardTarget | None = None) -> Iterator[pa.Table]:
+    """SourcesTokenizer(sources) over a block, slice_rows(block, batch_rows) rows at a time (with `write`:
+    the block written as a shard, and its summary yielded)."""
+    tokenizer = _sources_tokenizer_of(sources)
+    rows = slice_rows(batch, batch_rows)
+    if write is not None:
+        yield write_shard(batch, tokenizer, dataclasses.replace(write, batch_rows=rows))
+        return
+    for start in range(0, max(batch.num_rows, 1), rows):
+        yield tokenizer(batch.slice(start, rows))
 
 
 def synthesize_and_tokenize(batch: pa.Table, synthesize: tuple[Any, ...], tokenize: tuple[Any, ...],
@@ -157,6 +226,11 @@ def synthesize_and_tokenize(batch: pa.Table, synthesize: tuple[Any, ...], tokeni
     """SynthesizeBatch(*synthesize), then TokenizeBatch(*tokenize): the synthetic source in one task."""
     rows, tokenizer = _synthesizer_of(*synthesize)(batch), _tokenizer_of(*tokenize)
     return tokenizer(rows) if write is None else write_shard(rows, tokenizer, write)
+
+
+@functools.lru_cache(maxsize=4)
+def _sources_tokenizer_of(sources: tuple[tuple[Any, ...], ...]) -> SourcesTokenizer:
+    return SourcesTokenizer(sources)
 
 
 @functools.lru_cache(maxsize=4)

@@ -44,6 +44,9 @@ from workers.storage import Location, is_remote, redact_text
 
 LOAD_DATASET = "load_dataset"
 """DataSource.format of data.source=hf (app/data/hub.py)."""
+PATH_COLUMN = "path"
+"""The file of each row, as Ray Data's readers write it with include_paths: how a mix's tokenize map tells
+its rows' sources apart (app/data/ray_ops.py SourcesTokenizer)."""
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
 
@@ -64,6 +67,11 @@ class DataSource:
     """The pyarrow filesystem `files` are in (data.path a URI), or None: local files."""
     dataset: Any = field(default=None, compare=False, repr=False)
     """hf / load_dataset: the loaded `datasets.Dataset` (loaded once, read by `plan` and the pipeline)."""
+    num_rows: int | None = None
+    """Rows it holds, as known before reading them: exact for parquet (footers) and `datasets`, for JSONL
+    its lines (blank ones included: an upper bound); None: not counted."""
+    schema: Any = field(default=None, compare=False, repr=False)
+    """The Arrow schema of its rows (parquet: the first file's; `datasets`: its table's); None for JSONL."""
 
 
 def resolve_source(data: DataConfig) -> DataSource:
@@ -93,16 +101,16 @@ def _resolve_source(data: DataConfig) -> DataSource:
             raise DataError(f"data.format=hf needs a save_to_disk directory; data.path={data.path!r}")
         dataset = load_hf_dataset(str(path))
         columns = _require_format(data, dataset.column_names, f"data.path={data.path!r}")
-        return DataSource(format="hf", files=(str(path),), columns=columns, dataset=dataset)
+        return DataSource(format="hf", files=(str(path),), columns=columns, dataset=dataset,
+                          num_rows=len(dataset), schema=dataset.data.schema)
     suffix = ".parquet" if fmt == "parquet" else ".jsonl"
     files = _list_files(path, (suffix, ".json") if fmt == "jsonl" else (suffix,))
     if not files:
         raise DataError(f"data.path={data.path!r} holds no {suffix} files (data.format={data.format})")
     if fmt == "jsonl":
-        for file in files:
-            _check_utf8(file)
-        return DataSource(format=fmt, files=files, columns=())
-    return DataSource(format=fmt, files=files, columns=_parquet_columns(data, files))
+        lines = sum(_check_utf8(file) for file in files)
+        return DataSource(format=fmt, files=files, columns=(), num_rows=lines)
+    return _parquet_source(data, files)
 
 
 def _resolve_load_dataset(data: DataConfig) -> DataSource:
@@ -110,7 +118,8 @@ def _resolve_load_dataset(data: DataConfig) -> DataSource:
     dataset = load_split(data)
     columns = _require_format(data, dataset.column_names, describe(data))
     files = tuple(entry["filename"] for entry in dataset.cache_files)
-    return DataSource(format=LOAD_DATASET, files=files, columns=columns, dataset=dataset)
+    return DataSource(format=LOAD_DATASET, files=files, columns=columns, dataset=dataset,
+                      num_rows=len(dataset), schema=dataset.data.schema)
 
 
 def _resolve_remote(data: DataConfig) -> DataSource:
@@ -138,11 +147,9 @@ def _resolve_remote(data: DataConfig) -> DataSource:
         raise DataError(f"data.path={data.path!r} holds no {suffixes[0]} files (data.format={data.format})")
     filesystem = where.filesystem
     if fmt == "jsonl":
-        for file in paths:
-            _check_utf8(file, filesystem)
-        return DataSource(format=fmt, files=paths, columns=(), filesystem=filesystem)
-    return DataSource(format=fmt, files=paths, columns=_parquet_columns(data, paths, filesystem),
-                      filesystem=filesystem)
+        lines = sum(_check_utf8(file, filesystem) for file in paths)
+        return DataSource(format=fmt, files=paths, columns=(), filesystem=filesystem, num_rows=lines)
+    return _parquet_source(data, paths, filesystem)
 
 
 def _remote_hf(path: str) -> DataError:
@@ -174,12 +181,15 @@ def _list_files(path: Path, suffixes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix in suffixes))
 
 
-def _parquet_columns(data: DataConfig, files: Sequence[str], filesystem: Any = None) -> tuple[str, ...]:
-    """Every file's footer is read (bad files fail here) and its columns checked; the first file's columns."""
-    schemas = [_parquet_schema_names(file, filesystem) for file in files]
-    for file, names in zip(files, schemas, strict=True):
-        _require_format(data, names, f"data.path file {file!r}")
-    return tuple(schemas[0])
+def _parquet_source(data: DataConfig, files: tuple[str, ...], filesystem: Any = None) -> DataSource:
+    """Every file's footer is read (bad files fail here) and its columns checked; the DataSource with the
+    first file's columns and schema and the files' rows."""
+    footers = [_parquet_footer(file, filesystem) for file in files]
+    for file, (schema, _) in zip(files, footers, strict=True):
+        _require_format(data, schema.names, f"data.path file {file!r}")
+    schema = footers[0][0]
+    return DataSource(format="parquet", files=files, columns=tuple(schema.names), filesystem=filesystem,
+                      num_rows=sum(rows for _, rows in footers), schema=schema)
 
 
 def _require_format(data: DataConfig, present: Sequence[str], where: str) -> tuple[str, ...]:
@@ -217,30 +227,33 @@ def _unreadable(file: str, why: object) -> DataError:
                      "data.path elsewhere")
 
 
-def _parquet_schema_names(file: str, filesystem: Any = None) -> list[str]:
-    """Column names from the file's footer; DataError for an empty, cut-off or non-parquet file."""
+def _parquet_footer(file: str, filesystem: Any = None) -> tuple[Any, int]:
+    """(Arrow schema, rows) from the file's footer; DataError for an empty, cut-off or non-parquet file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         size = filesystem.get_file_info(file).size if filesystem is not None else Path(file).stat().st_size
-        names = pq.read_schema(file, filesystem=filesystem).names if size else None
+        footer = pq.read_metadata(file, filesystem=filesystem) if size else None
+        schema = footer.schema.to_arrow_schema() if footer is not None else None
     except (OSError, ValueError, pa.ArrowException) as err:  # ArrowInvalid is a ValueError, IO errors OSError
         raise _unreadable(file, f"not a valid parquet file ({type(err).__name__}: {err})") from None
-    if names is None:  # pyarrow's own message for this case does not say which file
+    if footer is None:  # pyarrow's own message for this case does not say which file
         raise _unreadable(file, "it is empty (0 bytes), not a parquet file")
-    return names
+    return schema, footer.num_rows
 
 
 _UTF8_CHUNK = 16 << 20  # bytes decoded at a time: bounded memory on any file size
 
 
-def _check_utf8(file: str, filesystem: Any = None) -> None:
-    """Decode the whole file as UTF-8 in chunks; DataError naming the file and the first bad line."""
+def _check_utf8(file: str, filesystem: Any = None) -> int:
+    """Decode the whole file as UTF-8 in chunks; its lines (blank ones included); DataError naming the file
+    and the first bad line."""
     import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = lines = 0  # bytes and newlines of the chunks already decoded, to place an error
+    last_newline = True
     try:
         with open(file, "rb") if filesystem is None else filesystem.open_input_stream(file) as handle:
             while chunk := handle.read(_UTF8_CHUNK):
@@ -255,7 +268,9 @@ def _check_utf8(file: str, filesystem: Any = None) -> None:
                                             f"({err.reason})") from None
                 offset += len(chunk)
                 lines += chunk.count(b"\n")
+                last_newline = chunk.endswith(b"\n")
             decoder.decode(b"", final=True)
+            return lines + (1 if offset and not last_newline else 0)
     except UnicodeDecodeError as err:  # the file ends inside a multi-byte character
         raise _unreadable(file, f"it ends inside a UTF-8 character ({err.reason})") from None
     except OSError as err:

@@ -37,7 +37,8 @@ class SplitCounts:
 
 def eval_data_config(data: DataConfig) -> DataConfig:
     """The DataConfig that reads data.eval_path with the run's readers, template and tokenizer."""
-    return dataclasses.replace(data, source="path", path=data.eval_path, eval_path="", eval_fraction=0.0)
+    return dataclasses.replace(data, source="path", path=data.eval_path, eval_path="", eval_fraction=0.0,
+                               sources=())
 
 
 def as_eval_path_error(err: DataError, data: DataConfig) -> DataError:

@@ -21,8 +21,10 @@ With the bundled `qwen` tokenizer the template is ChatML, one block per message:
                                                                                           ^^^^^^^^^^^
     data.labels=assistant: labels = ids on the assistant content and its end-of-turn token only (what the
     model must produce to answer and stop), for the assistant turns at index >= Conversation.loss_from;
-    data.labels=all: labels = ids everywhere. Labels are the HF convention: same length as input_ids,
-    unshifted, -100 = no loss.
+    data.labels=last_turn: the same on the final such turn only; data.labels=all: labels = ids everywhere.
+    In every mode a message with `train: false` / `weight: 0` (app/data/formats/fields.py) carries none (with
+    all: none of the characters it adds to the rendering). Labels are the HF convention: same length as
+    input_ids, unshifted, -100 = no loss.
 
 Label tokens are counted as the loss sees them: it predicts token t+1 from token t (targets = labels
 shifted left by one, workers/batch.py shifted_targets), so the first token's label is never a target and
@@ -49,6 +51,8 @@ Status of a row (never raised: the consumer counts and skips), decided in this o
                      "data.chat_template does not render tool calls (...)", ...
     empty            no label token after the shift before any limit (no tokens, a one-token row, a chat
                      without an assistant turn with data.labels=assistant)
+    excluded         no label token because per-message train / weight fields left out every message the
+                     label rule would train
     ok               fits in max_length
     truncated        too long, data.too_long=truncate, and the window keeps >= 1 label token
     truncated_empty  too long, data.too_long=truncate, and the window keeps no label token
@@ -79,6 +83,7 @@ __all__ = ["MalformedRow", "TemplateSettings", "TokenizedRows", "count_label_tok
            "tokenize_rows"]
 
 _TOO_LONG_STATUS = {"truncate": RowStatus.TRUNCATED, "drop": RowStatus.DROPPED, "error": RowStatus.TOO_LONG}
+LABEL_MODES = ("assistant", "all", "last_turn")
 _TRUNCATE_SIDES = ("left", "right")
 NONE_TEMPLATE_REASON = ("data.chat_template=none renders one user -> assistant exchange (an optional system "
                         "message first), not this chat; use a chat template for multi-turn and tool chats")
@@ -111,8 +116,8 @@ class TemplateSettings:
         if not isinstance(self.chat_template, str) or not self.chat_template:
             raise ValueError(f"data.chat_template={self.chat_template!r} must be auto, model, chatml, none "
                              "or a Jinja template file")
-        if self.labels not in ("assistant", "all"):
-            raise ValueError(f"data.labels={self.labels!r} is not one of: assistant, all")
+        if self.labels not in LABEL_MODES:
+            raise ValueError(f"data.labels={self.labels!r} is not one of: {', '.join(LABEL_MODES)}")
         if self.too_long not in _TOO_LONG_STATUS:
             raise ValueError(f"data.too_long={self.too_long!r} is not one of: error, truncate, drop")
         if self.truncate_side not in _TRUNCATE_SIDES:
@@ -160,6 +165,8 @@ class _Chat:
 
     text: str
     spans: list[Span]
+    excluded: bool = False
+    """Per-message fields took away a message the label rule would train: no label is `excluded`."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,8 @@ class _Segments:
 
     parts: tuple[tuple[str, bool], ...]
     eos: bool
+    exact: bool = False
+    """The parts' flags already follow data.labels (data.chat_template=none): `all` adds nothing."""
 
 
 _Layout = _Chat | _Segments | str  # str: the reason of a malformed row
@@ -179,20 +188,26 @@ def _layout(conversation: Conversation, tok: TextTokenizer, settings: TemplateSe
         return _Segments(conversation.segments, settings.add_eos)
     template = resolve_template(tok, settings.chat_template, settings.template_text)
     if template.text is None:
-        return _plain_exchange(conversation)
-    return _Chat(*chat_spans(template, tok, conversation, settings.labels))
+        return _plain_exchange(conversation, settings.labels)
+    return _Chat(*chat_spans(template, tok, conversation, settings.labels),
+                 excluded=conversation.excludes_a_trained_message(settings.labels))
 
 
-def _plain_exchange(conversation: Conversation) -> _Segments:
-    """data.chat_template=none: (system?) user -> assistant as "{system}\\n{user}\\n" + answer, then EOS."""
+def _plain_exchange(conversation: Conversation, labels: str) -> _Segments:
+    """data.chat_template=none: (system?) user -> assistant as "{system}\\n{user}\\n" + answer, then EOS; with
+    labels=all the prompt carries a loss too, in every mode an excluded message none."""
     messages = conversation.messages
     roles = [m.get("role") for m in messages]
     if roles not in (["user", "assistant"], ["system", "user", "assistant"]) or any(
             not isinstance(m.get("content"), str) or m.get("tool_calls") for m in messages):
         raise MalformedRow(NONE_TEMPLATE_REASON)
     prompt = "".join(m["content"] + "\n" for m in messages[:-1])
-    answer = (messages[-1]["content"], conversation.loss_from < len(messages))
-    return _Segments(((prompt, False), answer), True)
+    last = len(messages) - 1
+    if labels == "all":
+        flags = (not any(k in conversation.excluded for k in range(last)), last not in conversation.excluded)
+    else:
+        flags = (False, last in conversation.trained_messages(labels))
+    return _Segments(((prompt, flags[0]), (messages[-1]["content"], flags[1])), True, exact=True)
 
 
 def _encode(layouts: Sequence[_Layout], tok: TextTokenizer,
@@ -212,7 +227,8 @@ def _encode(layouts: Sequence[_Layout], tok: TextTokenizer,
         texts = list(dict.fromkeys(text for i in segments for text, _ in layouts[i].parts))
         encoded_texts = dict(zip(texts, tok.encode_batch(texts), strict=True))
         for i in segments:
-            out[i] = _segment_labels(layouts[i], encoded_texts, tok, settings.labels == "all")
+            out[i] = _segment_labels(layouts[i], encoded_texts, tok,
+                                     settings.labels == "all" and not layouts[i].exact)
     return out
 
 
@@ -232,7 +248,8 @@ def _segment_labels(layout: _Segments, encoded: Mapping[str, list[int]], tok: Te
         if tok.eos_id is None:
             raise DataError(f"data.tokenizer={tok.name!r} has no EOS token to end text rows (data.add_eos)")
         ids.append(tok.eos_id)
-        labels.append(tok.eos_id)
+        answered = not layout.exact or layout.parts[-1][1]  # none: the EOS ends the answer, labeled alike
+        labels.append(tok.eos_id if answered else IGNORE_INDEX)
     return np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32)
 
 
@@ -272,6 +289,11 @@ def _apply_limit(ids: np.ndarray, labels: np.ndarray,
     return ids, labels, status
 
 
+def is_template_reason(reason: str) -> bool:
+    """Whether a malformed row's reason is the chat template's (it cannot render the row), not the row's."""
+    return "data.chat_template" in reason
+
+
 def _layouts(rows: Sequence[Mapping[str, Any]], tok: TextTokenizer,
              settings: TemplateSettings) -> tuple[list[_Layout], list[str]]:
     """Each row's layout (or malformed reason) and row format ("" when malformed)."""
@@ -295,12 +317,14 @@ def tokenize_rows(rows: Sequence[Mapping[str, Any]], tok: TextTokenizer,
     layouts, formats = _layouts(rows, tok, settings)
     out = TokenizedRows()
     empty = np.zeros(0, dtype=np.int32)
-    for result, row_format in zip(_encode(layouts, tok, settings), formats, strict=True):
+    for layout, result, row_format in zip(layouts, _encode(layouts, tok, settings), formats, strict=True):
         if isinstance(result, str):
             ids, labels, status, raw, row_format = empty, empty, RowStatus.MALFORMED, 0, ""
         else:
             ids, labels, status = _apply_limit(*result, settings)
             raw = len(result[0])
+            if status == RowStatus.EMPTY and getattr(layout, "excluded", False):
+                status = RowStatus.EXCLUDED
         out.input_ids.append(ids)
         out.labels.append(labels)
         out.status.append(status)

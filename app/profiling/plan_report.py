@@ -113,7 +113,7 @@ def sample_batches_with_data(config: SkrullConfig) -> tuple[list[np.ndarray], To
     """
     num, size = config.plan.num_batches, config.scheduling.global_batch_size
     data = config.data
-    if data.source != "synthetic":
+    if not data.synthetic:
         from app.data.lengths import scan_local  # another component; only needed for real data
 
         scan = scan_local(data, limit=num * size, max_length=config.max_sequence_length)

@@ -113,7 +113,8 @@ def data_summary(scan: Any, *, train_rows: int, eval_rows: int = 0) -> dict[str,
             "length_max": max(lengths, default=0),
             "statuses": {status: int(n) for status, n in scan.counts.items() if n},
             "formats": {name: int(n) for name, n in getattr(scan, "formats", {}).items()},
-            "train_rows": int(train_rows), "eval_rows": int(eval_rows)}
+            "train_rows": int(train_rows), "eval_rows": int(eval_rows)} | (
+        {"sources": scan.sources} if getattr(scan, "sources", None) else {})
 
 
 def write_data_summary(run_dir: str | Path, summary: dict[str, Any]) -> None:

@@ -91,8 +91,26 @@ def _changed_math(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
         found = list(found) if isinstance(found, tuple) else found  # the JSON snapshot holds lists
         return redact_uri(found) if isinstance(found, str) else found
 
-    return [f"{key}: {value(before, key)!r} -> {value(now, key)!r}" for key in math_keys()
-            if value(before, key) != value(now, key)]
+    changed = []
+    for key in math_keys():
+        old, new = value(before, key), value(now, key)
+        if key == "data.sources":
+            changed += _changed_sources(old or [], new or [])
+        elif old != new:
+            changed.append(f"{key}: {old!r} -> {new!r}")
+    return changed
+
+
+def _changed_sources(before: list[Any], now: list[Any]) -> list[str]:
+    """`data.sources[i].key: old -> new` for every key of an entry that differs (entries compared as the
+    JSON snapshot holds them); an entry added or removed: the ids before and now."""
+    before, now = (json.loads(json.dumps(_redacted(side))) for side in (before, now))
+    if len(before) != len(now):
+        ids = [[entry.get("id") or entry.get("path") for entry in side] for side in (before, now)]
+        return [f"data.sources: {len(before)} entries {ids[0]} -> {len(now)} {ids[1]}"]
+    return [f"data.sources[{i}].{key}: {old.get(key)!r} -> {new.get(key)!r}"
+            for i, (old, new) in enumerate(zip(before, now, strict=True))
+            for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)]
 
 
 def _changed_data(run_dir: Location, data: dict[str, Any]) -> list[str]:
@@ -109,12 +127,16 @@ def _changed_data(run_dir: Location, data: dict[str, Any]) -> list[str]:
 
 def snapshot_record(config: SkrullConfig) -> dict[str, Any]:
     """The config as the snapshot holds it: every URI without its secrets (redact_uri)."""
-    def redacted(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {key: redacted(value) for key, value in node.items()}
-        return redact_uri(node) if isinstance(node, str) else node
+    return _redacted(config.to_dict())
 
-    return redacted(config.to_dict())
+
+def _redacted(node: Any) -> Any:
+    """Every string of a config tree (dicts, lists: data.sources' entries) without a URI's secrets."""
+    if isinstance(node, dict):
+        return {key: _redacted(value) for key, value in node.items()}
+    if isinstance(node, list | tuple):
+        return [_redacted(value) for value in node]
+    return redact_uri(node) if isinstance(node, str) else node
 
 
 def write_snapshot(config: SkrullConfig, run_dir: str | Path | Location, *, template: str | None,

@@ -53,6 +53,7 @@ def planner_actor(config: SkrullConfig, dataset: Dataset, total_steps: int, name
     held-out rows, planned in stream order. `tokenizer`: the run's loaded one (ResolvedData.tokenizer),
     which sizes a tiny preset's vocabulary for the cost model without loading it again.
     """
+    from app.data.sources import mix_spec
     from app.profiling.hardware import cost_model
     from scheduling.actor import PlannerActor, PlannerSettings
 
@@ -62,9 +63,10 @@ def planner_actor(config: SkrullConfig, dataset: Dataset, total_steps: int, name
         global_batch_size=sched.global_batch_size, total_steps=total_steps, prefetch=sched.prefetch,
         seed=sched.seed, static_cp_micro_batch=sched.static_cp_micro_batch,
         eval_fraction=config.data.eval_fraction, data_seed=config.data.seed,
-        shuffle=config.data.shuffle and config.data.source != "synthetic",  # synthetic: random already
+        shuffle=config.data.shuffle and not config.data.synthetic,  # synthetic: random already
         cp_degrees=config.cp_degrees, calibration=sched.calibration == "online",
         calibration_window=sched.calibration_window, chunkflow_keep=sched.chunkflow_keep,
+        mix=mix_spec(config.data), source_ids=tuple(s.source_id for s in config.data.sources),
     )
     # Ray restarts a dead planner actor (a fresh one, planning from the run's start); the workers' own
     # restart then moves it to the checkpoint's cursor. Calls are never retried: a payload call answered

@@ -41,7 +41,7 @@ class StepBatch:
 def check_peer_config(config: SkrullConfig) -> None:
     """What `bench peer` needs beyond a valid run config (ConfigError naming the knob)."""
     data = config.data
-    if data.shuffle and data.source != "synthetic":
+    if data.shuffle and not data.synthetic:
         raise ConfigError("data.shuffle=true: bench peer feeds TRL the rows in stream order, as the planner "
                           "visits them unshuffled; set data.shuffle=false")
     if data.eval_fraction or data.eval_path:

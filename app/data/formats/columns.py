@@ -4,7 +4,7 @@ dataset_info `columns` and `tags` in one mapping), as {the name this project rea
     key group       accepted keys (this project's names)                          renames
     columns         messages conversations instruction input output system         the row's top-level keys
                     history prompt completion text tools
-    message keys    role content                                                   keys of every message in
+    message keys    role content train weight                                      keys of every message in
                                                                                    messages / conversations /
                                                                                    prompt / completion lists
     role values     user assistant system tool                                     the value of each such
@@ -33,7 +33,7 @@ from app.data.formats.common import is_list
 
 COLUMN_KEYS = ("messages", "conversations", "instruction", "input", "output", "system", "history", "prompt",
                "completion", "text", "tools")
-MESSAGE_KEYS = ("role", "content")
+MESSAGE_KEYS = ("role", "content", "train", "weight")
 ROLE_VALUES = ("user", "assistant", "system", "tool")
 MESSAGE_LISTS = ("messages", "conversations", "prompt", "completion")
 ROLE_KEYS = ("role", "from")

@@ -10,7 +10,8 @@
      "tools": [{"type": "function", "function": {"name": "weather", "parameters": {...}}}]}
 
 Each message keeps role, content, and tool_calls / tool_call_id / name when present (other keys are
-dropped). Content is a string, or a list of parts of which only `{"type": "text", "text": ...}` is
+dropped; `train: false` / `weight: 0` leave the message out of the loss: app/data/formats/fields.py).
+Content is a string, or a list of parts of which only `{"type": "text", "text": ...}` is
 accepted; the parts are joined with "\\n", as vLLM's OpenAI server joins a text-only message's parts. An
 assistant message with tool_calls may have no content (it stays None). Each tool call becomes
 `{"type": "function", "id"?, "function": {"name", "arguments": dict}}`: arguments given as a JSON string
@@ -27,6 +28,7 @@ from typing import Any
 
 from app.data.conversation import Conversation, MalformedRow
 from app.data.formats.common import as_list, is_list, present, require_str, tools_of, type_name
+from app.data.formats.fields import excluded
 from app.data.formats.registry import RowFormat, register
 
 NAME = "messages"
@@ -42,16 +44,19 @@ def convert(record: Mapping[str, Any]) -> Conversation:
 def conversation_of(value: Any, tools: tuple[dict[str, Any], ...], format_name: str,
                     where: str = "messages") -> Conversation:
     """A chat Conversation from a `messages`-style list (also used by the prompt-completion format)."""
-    messages = checked_messages(value, where)
+    messages, excluded_messages = checked_messages(value, where)
     if not messages:
         return empty_conversation(format_name)
-    return Conversation(messages=tuple(messages), tools=tools, format=format_name)
+    return Conversation(messages=tuple(messages), tools=tools, format=format_name, excluded=excluded_messages)
 
 
-def checked_messages(value: Any, where: str) -> list[dict[str, Any]]:
-    """A list of messages, each checked; reasons name `{where}[i]`."""
-    return [check_message(f"{where}[{i}]", m)
-            for i, m in enumerate(as_list(value, where, "a list of {role, content}"))]
+def checked_messages(value: Any, where: str) -> tuple[list[dict[str, Any]], frozenset[int]]:
+    """(A list of messages, each checked; the indices of those a per-message `train` / `weight` field leaves
+    out of the loss); reasons name `{where}[i]`."""
+    items = as_list(value, where, "a list of {role, content}")
+    messages = [check_message(f"{where}[{i}]", m) for i, m in enumerate(items)]
+    return messages, frozenset(i for i, m in enumerate(items) if isinstance(m, Mapping)
+                               and excluded(m, f"{where}[{i}]"))
 
 
 def empty_conversation(format_name: str) -> Conversation:

@@ -40,10 +40,13 @@ def convert(record: Mapping[str, Any]) -> Conversation:
 
 
 def conversational(prompt: Any, completion: Any, tools: tuple[dict[str, Any], ...]) -> Conversation:
-    head, tail = checked_messages(prompt, "prompt"), checked_messages(completion, "completion")
+    (head, head_out), (tail, tail_out) = checked_messages(prompt, "prompt"), checked_messages(completion,
+                                                                                             "completion")
     if not head and not tail:
         return empty_conversation(NAME)
-    return Conversation(messages=(*head, *tail), tools=tools, loss_from=len(head), format=NAME)
+    left_out = head_out | {len(head) + k for k in tail_out}
+    return Conversation(messages=(*head, *tail), tools=tools, loss_from=len(head), format=NAME,
+                        excluded=frozenset(left_out))
 
 
 register(RowFormat(NAME, lambda keys: {"prompt", "completion"} <= keys, convert))

@@ -21,7 +21,8 @@ with those tags); data.columns renames others. The optional `system` column beco
 message unless the conversation starts with a system turn, which then wins, as in LLaMA-Factory's
 SharegptDatasetConverter. The optional `tools` list (or a JSON string of it) becomes Conversation.tools.
 Each message is then checked as a `messages` message (app/data/formats/messages.py), with reasons that
-name `conversations[i]`.
+name `conversations[i]`; a turn's `train: false` / `weight: 0` leaves it out of the loss
+(app/data/formats/fields.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 from app.data.conversation import Conversation, MalformedRow
 from app.data.formats.common import as_list, is_list, present, require_str, tools_of, type_name
+from app.data.formats.fields import excluded
 from app.data.formats.messages import check_message, empty_conversation
 from app.data.formats.registry import RowFormat, register
 
@@ -47,12 +49,15 @@ def convert(record: Mapping[str, Any]) -> Conversation:
         raise MalformedRow("no conversations column")
     turns = as_list(record["conversations"], "conversations", "a list of {from, value}")
     messages = [openai_message(f"conversations[{i}]", turn) for i, turn in enumerate(turns)]
+    left_out = [i for i, turn in enumerate(turns) if excluded(turn, f"conversations[{i}]")]
     system = "" if record.get("system") is None else require_str(record["system"], "system")
     if system and not (messages and messages[0]["role"] == "system"):
         messages.insert(0, {"role": "system", "content": system})
+        left_out = [i + 1 for i in left_out]
     if not messages:
         return empty_conversation(NAME)
-    return Conversation(messages=tuple(messages), tools=tools_of(record), format=NAME)
+    return Conversation(messages=tuple(messages), tools=tools_of(record), format=NAME,
+                        excluded=frozenset(left_out))
 
 
 def openai_message(where: str, turn: Any) -> dict[str, Any]:
