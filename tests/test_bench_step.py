@@ -27,14 +27,37 @@ def test_a_variant_is_a_name_and_overrides() -> None:
             parse_variant(bad)
 
 
-def test_bench_step_json_on_the_tiny_config(tmp_path: Path, capsys) -> None:
+def _bench_step(rank: int, world: int, argv: list[str], broken: str = "") -> tuple[int, dict]:
+    """`python -m app bench step ARGV --json` in a rank of its own (DeepSpeed keeps process-wide group state
+    between engines: a process per run, as the command is); `broken`: a variant whose engine build raises."""
+    import contextlib
+    import io
+
+    import workers.tools.step_bench as step_bench
     from app.__main__ import main
 
-    code = main(["bench", "step", *TINY, "--variant", "today:train.optimizer_impl=foreach",
-                 "--variant", "fused:train.optimizer_impl=fused,scheduling.bucket_size=256",
-                 "--steps", "2", "--trace", str(tmp_path / "trace"), "--json"])
+    build = step_bench._build
+
+    def failing(variant, device, seed):
+        if variant.name == broken:
+            raise RuntimeError("no such kernel here")
+        return build(variant, device, seed)
+
+    step_bench._build = failing
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["bench", "step", *TINY, *argv, "--json"])
+    return code, json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+def test_bench_step_json_on_the_tiny_config(tmp_path: Path) -> None:
+    from workers.tools.launch import run_workers
+
+    ((code, result),) = run_workers(_bench_step, 1, args=(
+        ["--variant", "today:train.optimizer_impl=foreach",
+         "--variant", "fused:train.optimizer_impl=fused,scheduling.bucket_size=256",
+         "--steps", "2", "--trace", str(tmp_path / "trace")],), backend="gloo")
     assert code == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["device"].endswith("threads") and result["steps"] == 2 and result["warmup_steps"] == 1
     assert set(result["variants"]) == set(result["speedup_vs_first"]) == {"today", "fused"}
     assert result["speedup_vs_first"]["today"] == 1.0 and result["speedup_vs_first"]["fused"] > 0
@@ -53,23 +76,14 @@ def test_bench_step_json_on_the_tiny_config(tmp_path: Path, capsys) -> None:
     assert fused["losses"] == pytest.approx(today["losses"], rel=1e-5)
 
 
-def test_a_variant_that_fails_leaves_the_others_measured(monkeypatch, capsys) -> None:
+def test_a_variant_that_fails_leaves_the_others_measured() -> None:
     """One variant that cannot run (here its engine build raises, as a kernel the machine lacks would) is
     reported with its error and the command exits 1; the other variants are still measured."""
-    import workers.tools.step_bench as step_bench
-    from app.__main__ import main
+    from workers.tools.launch import run_workers
 
-    build = step_bench._build
-
-    def failing(variant, device, seed):
-        if variant.name == "broken":
-            raise RuntimeError("no such kernel here")
-        return build(variant, device, seed)
-
-    monkeypatch.setattr(step_bench, "_build", failing)
-    code = main(["bench", "step", *TINY, "--variant", "ok:train.optimizer_impl=fused",
-                 "--variant", "broken:train.optimizer_impl=foreach", "--steps", "1", "--json"])
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ((code, result),) = run_workers(_bench_step, 1, args=(
+        ["--variant", "ok:train.optimizer_impl=fused", "--variant", "broken:train.optimizer_impl=foreach",
+         "--steps", "1"], "broken"), backend="gloo")
     assert code == 1
     assert result["variants"]["broken"]["error"] == "RuntimeError: no such kernel here"
     assert result["variants"]["ok"]["tokens_per_s"] > 0

@@ -89,6 +89,8 @@ def bench_steps(variants: list[StepVariant], *, device: torch.device, seed: int 
     owns_group = not dist.is_initialized()
     if owns_group:
         _init_single_rank(device)
+    for name, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_RANK", 0)):
+        os.environ.setdefault(name, str(value))  # DeepSpeed reads them, as a launcher would have set them
     failed: dict[str, str] = {}
     try:
         live = [entry for v in variants if (entry := _guarded(failed, v.name, _build, v, device, seed))]
