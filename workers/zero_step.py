@@ -98,8 +98,9 @@ def _partition_grad(opt: Any, i: int) -> torch.Tensor:
 def device_step(opt: Any, closure: Any = None) -> None:
     """`DeepSpeedZeroOptimizer.step` without host synchronization (module docstring); bound as a method."""
     from deepspeed.runtime.utils import all_gather_dp_groups
+    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
-    opt.micro_step_id = -1  # DeepSpeed's INITIAL_MICRO_STEP_ID: the next backward starts a new step
+    opt.micro_step_id = INITIAL_MICRO_STEP_ID  # the next backward starts a new step
     opt.overflow = False  # the engine's view: the skip happens on the device
     groups = range(len(opt.bit16_groups))
     for i in groups:
