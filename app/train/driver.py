@@ -38,7 +38,7 @@ from app.train.console import run_console
 from app.train.dataset import prepared_data
 from app.train.failures import one_line_failures
 from app.train.fit import fit_with_progress
-from app.train.preflight import preflight
+from app.train.preflight import check_model_source, preflight
 from app.train.signals import RunInterrupted, Terminated, sigterm_stops_like_ctrl_c
 from workers.storage import pull_mirror
 
@@ -88,6 +88,7 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     Ctrl-C and SIGTERM stop the call alike (RunInterrupted). The run's lock (app/rundir/lock.py) is held
     from before its first write to the end: a second call on the same run stops with RunLocked.
     """
+    check_model_source(config.model)  # a hub id's config.json into the local cache: the dimensions' source
     config = _with_bucket_size(config, out)
     name = run_name(config)
     try:
@@ -101,9 +102,16 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
 
 def _with_bucket_size(config: SkrullConfig, out: TextIO | None) -> SkrullConfig:
     """train.activation_checkpointing=auto chosen by the planner (app/profiling/checkpointing.py) and
-    scheduling.bucket_size=auto derived from memory (app/profiling/memory.py), each said once in a line."""
+    scheduling.bucket_size=auto derived from memory (app/profiling/memory.py), each said once in a line,
+    over the model's own dimensions (app/model/dims.py: from its config.json, a model.* value it
+    contradicts a ConfigError; where none can be read, the config's, said in a line)."""
+    from app.model.dims import dims_note, resolved_model
     from app.profiling.budget import resolve_bucket_size
 
+    resolved_model(config.model)
+    note = dims_note(config.model)
+    if note:
+        print(note, file=out or sys.stderr, flush=True)
     resolved, budget = resolve_bucket_size(config)
     if budget.checkpointing is not None:
         print(budget.checkpointing.line(), file=out or sys.stderr, flush=True)
