@@ -446,6 +446,11 @@ class TrainConfig:
     device and seen (warned about, or stopped at) on the next log step."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept in the run directory (0: keep every one)."""
+    export_on_finish: bool = True
+    """When the run finishes, write <run_dir>/hf/: the trained model as a Hugging Face directory (weights,
+    config, tokenizer; a LoRA run: its peft adapter), as `export` writes it, streamed file by file from the
+    workers' ZeRO state (no process holds the whole model, no checkpoint is read back; also on an object
+    store). false: only the checkpoints (`export` makes the directory from one later)."""
     allow_config_change: bool = False
     """Resume a run although a key that changes its math (model, data, batch, optimizer) differs."""
     max_failures: int = 0

@@ -200,7 +200,7 @@ def test_the_json_summary_of_a_run_whose_last_step_was_skipped_is_strict_json() 
 
     summary = TrainSummary(steps=2, samples=16, tokens=100, loss_first=6.0, loss_last=float("nan"),
                            tokens_per_s=10.0, checkpoint=None, run_dir="r", resumed_from_step=None,
-                           restarts=0, history=[])
+                           restarts=0, export=None, history=[])
     assert json.loads(json.dumps(summary.to_json_dict(), allow_nan=False))["loss_last"] is None
 
 

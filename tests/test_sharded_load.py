@@ -17,6 +17,7 @@ LoRA, within 1e-5 relative (fp32; ZeRO-3 reduces in another order). Also transfo
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -81,6 +82,31 @@ def _two_losses(engine, rank: int) -> list[float]:
     return losses
 
 
+EXPORT_FILE_BYTES = 600_000
+"""The end-of-run export's largest weight file here (workers/hf_export.py MAX_SHARD_BYTES): 3 files."""
+
+
+def _export_and_save(engine, lora_r: int, root: Path) -> int:
+    """The end-of-run export of the ZeRO-3 engine after its two steps (workers/hf_export.py, world rank 0
+    writing) into <root>/run<r>/.hf-export, then the engine's checkpoint beside it; returns the tensor
+    ledger's peak over the export on this rank."""
+    from workers import hf_export
+    from workers.models import ModelSpec
+    from workers.tools.tensor_ledger import DeviceLedger
+
+    run = root / f"run{lora_r}"
+    spec = ModelSpec(name_or_path=str(root / "model"), lora_r=lora_r)
+    hf_export.MAX_SHARD_BYTES = EXPORT_FILE_BYTES
+    ledger = DeviceLedger()
+    # what exists already (the partitions, the optimizer's fp32 ones) is not the export's: views of it
+    # would otherwise be counted the first time the export reads them
+    ledger.exclude(t for t in gc.get_objects() if isinstance(t, torch.Tensor))
+    with ledger:
+        hf_export.export_engine(engine, spec, str(run), step=2)
+    engine.save_checkpoint(str(run / "checkpoint"), tag="step2", exclude_frozen_parameters=bool(lora_r))
+    return ledger.peak
+
+
 def _worker(rank: int, world: int, directory: str) -> dict[str, object]:
     """Per (stage, LoRA r): the build's held bytes and two steps' losses; at ZeRO-3 full, the gathered
     weights against from_pretrained's; then transformers' own ZeRO-3 loading."""
@@ -118,6 +144,8 @@ def _worker(rank: int, world: int, directory: str) -> dict[str, object]:
                         out["bit_equal"] = all(torch.equal(p.detach(), reference[n])
                                                for n, p in params.items())
                 out[f"losses_zero{stage}_r{lora_r}"] = _two_losses(engine, rank)
+                if stage == 3:
+                    out[f"export_peak_r{lora_r}"] = _export_and_save(engine, lora_r, Path(directory).parent)
                 del engine
     finally:
         ModelSpec.build_on = build_on
@@ -135,7 +163,7 @@ def _worker(rank: int, world: int, directory: str) -> dict[str, object]:
 def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, object]]]:
     from workers.tools.launch import run_workers
 
-    directory = _checkpoint(tmp_path_factory.mktemp("sharded") / "model")
+    directory = _checkpoint(tmp_path_factory.mktemp("sharded") / "model")  # its parent: the exports
     return directory, run_workers(_worker, WORLD, args=(str(directory),), backend="gloo")
 
 
@@ -179,3 +207,29 @@ def test_zero3_steps_give_the_zero2_losses(loaded, lora_r: int) -> None:
     zero2, zero3 = ranks[0][f"losses_zero2_r{lora_r}"], ranks[0][f"losses_zero3_r{lora_r}"]
     assert zero3 == pytest.approx(zero2, rel=TOL)
     assert zero2[1] < zero2[0]  # the update happened (lr 0.01 on the same batch)
+
+
+@pytest.mark.parametrize("lora_r", [0, LORA_R])
+def test_the_end_of_run_export_streams_the_zero3_state_file_by_file(loaded, lora_r: int) -> None:
+    """The export from the live ZeRO-3 engine (train.export_on_finish) holds the weights DeepSpeed's own
+    consolidation of the same step's checkpoint gives, bit for bit; the full model comes as 3 files plus
+    the index, and world rank 0, which writes them, held at most one file and one weight more at a time."""
+    from safetensors.torch import load_file
+
+    from app.model.export import consolidate
+
+    directory, ranks = loaded
+    run = directory.parent / f"run{lora_r}"
+    files = sorted((run / ".hf-export").glob("*.safetensors"))
+    exported = {k: v for f in files for k, v in load_file(str(f)).items()}
+    reference = consolidate(run / "checkpoint", "step2", frozen_base=bool(lora_r))
+    if lora_r:  # peft's names: the PeftModel's prefix, no adapter name
+        assert [f.name for f in files] == ["adapter_model.safetensors"]
+        assert (run / ".hf-export" / "adapter_config.json").is_file()
+        reference = {"base_model.model." + k.replace(".default", ""): v for k, v in reference.items()}
+    else:
+        assert len(files) == 3 and (run / ".hf-export" / "model.safetensors.index.json").is_file()
+        largest = max(v.numel() * v.element_size() for v in reference.values())
+        assert ranks[0]["export_peak_r0"] <= EXPORT_FILE_BYTES + 2 * largest, ranks[0]["export_peak_r0"]
+    assert set(exported) == set(reference)
+    assert all(torch.equal(exported[k], reference[k]) for k in reference)

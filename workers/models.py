@@ -72,6 +72,41 @@ class ModelSpec:
             del kwargs[runtime_choice]
         return build_model(**kwargs, attn_implementation=attn_implementation, zero3=zero3, group=group)
 
+    def hf_config(self) -> Any:
+        """The transformers config the build uses: a tiny preset's, or model.name_or_path's config.json
+        (a random-init build's vocabulary resized by vocab_size)."""
+        from transformers import AutoConfig
+
+        if is_tiny_preset(self.name_or_path):
+            return _tiny_config(self.name_or_path, dict(
+                vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+                num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                intermediate_size=self.intermediate_size))
+        config = AutoConfig.from_pretrained(os.path.expanduser(self.name_or_path))
+        if self.random_init and self.vocab_size:
+            config.vocab_size = self.vocab_size
+        return config
+
+    def meta_model(self, attn_implementation: str = "sdpa") -> torch.nn.Module:
+        """The architecture on the meta device (no memory): names, shapes, class and generation config of
+        what an export writes."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=attn_implementation,
+                                                    dtype=DTYPES[self.dtype])
+
+    def meta_peft_model(self) -> Any:
+        """The run's PeftModel (peft's wrapper with the run's LoraConfig) on the meta device: what names a
+        LoRA export's adapter files (workers/hf_export.py write_adapter)."""
+        from peft import get_peft_model
+
+        config = lora_config(self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_target_modules)
+        base = self.meta_model()
+        base.name_or_path = self.name_or_path  # what peft records as base_model_name_or_path
+        with torch.device("meta"):
+            return get_peft_model(base, config)
+
     def build_on(self, device: torch.device, *, zero3: dict[str, Any] | None = None,
                  group: Any = None) -> torch.nn.Module:
         """The training model on `device` in train mode: built (partitioned over `group` with a stage-3

@@ -60,6 +60,8 @@ class TrainSummary:
     """The checkpoint step this call resumed from (None: a fresh run)."""
     restarts: int
     """Worker-group restarts during this call (worker failures, planner failures, elastic resizes)."""
+    export: str | None
+    """<run_dir>/hf/, the trained model as a Hugging Face directory (train.export_on_finish), or None."""
     history: list[dict[str, float]]
     """Every step's reported metrics (loss, tokens_per_s, step_s, planner_wait_s, ...), in step order."""
 
@@ -150,12 +152,20 @@ def _run(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
     history = sorted({h["step"]: h for h in reports}.values(), key=lambda h: h["step"])
     total_time = sum(h["step_s"] for h in history)
     resumed = int(starts[0]["resumed_from_step"]) if starts else int(reports[0]["resumed_from_step"])
+    export = None
+    if config.train.export_on_finish:  # the workers streamed the weights: add the rest, publish as hf/
+        from app.model.export import publish_export
+
+        export = publish_export(config, str(run_location_of(config, name)), step=int(history[-1]["step"]),
+                                template=data.chat_template_text)
+        print(f"the trained model: {export} (AutoModelForCausalLM.from_pretrained"
+              f"{'; a peft adapter' if config.model.lora.r else ''})", file=out, flush=True)
     return TrainSummary(
         steps=len(history), samples=sum(int(h["samples"]) for h in history),
         tokens=sum(int(h["tokens"]) for h in history), loss_first=history[0]["loss"],
         loss_last=history[-1]["loss"], tokens_per_s=sum(h["tokens"] for h in history) / max(total_time, 1e-9),
         checkpoint=checkpoint, run_dir=str(run_location_of(config, name)), resumed_from_step=resumed or None,
-        restarts=max(len(starts) - 1, 0), history=[dict(h) for h in history],
+        restarts=max(len(starts) - 1, 0), export=export, history=[dict(h) for h in history],
     )
 
 
