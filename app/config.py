@@ -462,12 +462,14 @@ class TrainConfig:
     last one, reported as `eval_loss`; 0: never."""
     wandb_project: str = ""
     """Weights & Biases project every reported step's metrics also go to (app/sinks/wandb.py), one W&B run
-    per run.name; empty: off. Needs the extra skrull-on-ray[wandb]; WANDB_MODE=offline works offline."""
+    per run.name; empty: off. Needs the project's `wandb` extra (pip install -e '.[wandb]' in the checkout;
+    scripts/setup.sh and ray_cluster.yaml install it); WANDB_MODE=offline works offline."""
     wandb_entity: str = ""
     """W&B entity (user or team) of wandb_project; empty: the API key's default entity."""
     mlflow_uri: str = ""
     """MLflow tracking URI every reported step's metrics also go to (app/sinks/mlflow.py), e.g.
-    http://tracking:5000 or sqlite:///mlflow.db; empty: off. Needs the extra skrull-on-ray[mlflow]."""
+    http://tracking:5000 or sqlite:///mlflow.db; empty: off. Needs the project's `mlflow` extra (pip install
+    -e '.[mlflow]' in the checkout; scripts/setup.sh and ray_cluster.yaml install it)."""
     nonfinite: Literal["error", "skip"] = "error"
     """A step whose loss or gradient norm is inf/NaN on any rank (workers/nonfinite.py): `error` stops the
     run at that step (its update is never applied, no checkpoint of it is written, exit 1 naming the step
