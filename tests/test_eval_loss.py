@@ -169,7 +169,8 @@ def test_eval_loss_is_reported_on_eval_steps_and_equals_the_hf_models_loss(eval_
     assert [h["step"] for h in summary.history] == list(range(1, TINY_RUN_STEPS + 1))
 
     spec = dataclasses.asdict(model_spec(config.model, config.train, tokenizer=config.data.tokenizer))
-    del spec["attention_backend"]
+    for runtime_choice in ("attention_backend", "kernels", "compile"):  # ModelSpec.build's own exclusions
+        del spec[runtime_choice]
     model = build_model(**spec, attn_implementation="eager")  # transformers' own attention, unsharded
     state = get_fp32_state_dict_from_zero_checkpoint(summary.checkpoint, tag=f"step{TINY_RUN_STEPS}")
     model.load_state_dict(state, strict=True)

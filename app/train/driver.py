@@ -36,7 +36,7 @@ from app.train.components import (
 )
 from app.train.console import run_console
 from app.train.dataset import prepared_data
-from app.train.failures import one_line_failures
+from app.train.failures import one_line_failures, stop_reason
 from app.train.fit import fit_with_progress
 from app.train.preflight import check_model_source, preflight
 from app.train.signals import RunInterrupted, Terminated, sigterm_stops_like_ctrl_c
@@ -153,7 +153,8 @@ def _run(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
     total_time = sum(h["step_s"] for h in history)
     resumed = int(starts[0]["resumed_from_step"]) if starts else int(reports[0]["resumed_from_step"])
     export = None
-    if config.train.export_on_finish:  # the workers streamed the weights: add the rest, publish as hf/
+    if config.train.export_on_finish and not stop_reason(history):  # the workers streamed the weights of
+        # the last step (a stopped run has none): the driver adds the rest and publishes them as hf/
         from app.model.export import publish_export
 
         export = publish_export(config, str(run_location_of(config, name)), step=int(history[-1]["step"]),
