@@ -128,13 +128,16 @@ def merged_model(config: SkrullConfig, state: dict[str, Any], *, attn: str = STA
     return wrapper.merge_and_unload()  # W + (alpha / r) * B @ A in fp32, cast afterwards
 
 
-def save_model_config(config: SkrullConfig, out: Path, *, dtype: str, tokenizer: Any) -> None:
+def save_model_config(config: SkrullConfig, out: Path, *, dtype: str, tokenizer: Any,
+                      run_tokenizer: Any = None) -> None:
     """config.json and generation_config.json of the run's architecture as save_pretrained writes them for
-    inference: its class in `architectures`, `dtype`, the KV cache on, the tokenizer's eos/pad ids."""
+    inference: its class in `architectures`, `dtype`, the KV cache on, the eos/pad ids of `tokenizer` (the
+    saved transformers one). `run_tokenizer`: the run's loaded TextTokenizer (a tiny preset's vocabulary)."""
     from app.model.spec import model_spec
     from workers.models import DTYPES
 
-    meta = model_spec(config.model, config.train, tokenizer=config.data.tokenizer).meta_model()
+    spec = model_spec(config.model, config.train, tokenizer=run_tokenizer or config.data.tokenizer)
+    meta = spec.meta_model()
     meta.config.architectures = [type(meta).__name__]
     meta.config.dtype = DTYPES[dtype]
     _for_inference(meta, tokenizer)
@@ -227,12 +230,14 @@ def write_export(config: SkrullConfig, directory: Path, tag: str, out: Path, *, 
     save_model_config(config, out, dtype=dtype, tokenizer=tokenizer)
 
 
-def publish_export(config: SkrullConfig, run_dir: str, *, step: int, template: str | None) -> str:
+def publish_export(config: SkrullConfig, run_dir: str, *, step: int, template: str | None,
+                   tokenizer: Any = None) -> str:
     """The end of a run with train.export_on_finish: the workers' weights of `step` in
     <run_dir>/.hf-export/ (workers/hf_export.py export_engine) completed with the tokenizer and config
     files, then moved to <run_dir>/hf/ (an earlier one replaced; local: one rename; an object store: file by
     file, config.json / adapter_config.json last). Returns where it is. RuntimeError when the workers'
-    export is missing or of another step."""
+    export is missing or of another step. `tokenizer`: the run's loaded TextTokenizer (else loaded)."""
+    from app.model.export_tokenizer import save_tokenizer
     from workers.hf_export import EXPORT_MARKER, HF_DIR, HF_STAGING, export_complete
     from workers.storage import Location
 
@@ -243,18 +248,13 @@ def publish_export(config: SkrullConfig, run_dir: str, *, step: int, template: s
                            "`python -m app export` writes one from the final checkpoint")
     kind = "adapter" if config.model.lora.r > 0 else "model"
     with tempfile.TemporaryDirectory(prefix="skrull-export-") as local:
-        tokenizer = save_tokenizer_files(config, Path(local), template)
+        saved = save_tokenizer(config.data.tokenizer, template, Path(local), loaded=tokenizer)
         if kind == "model":
-            save_model_config(config, Path(local), dtype=config.model.dtype, tokenizer=tokenizer)
+            save_model_config(config, Path(local), dtype=config.model.dtype, tokenizer=saved,
+                              run_tokenizer=tokenizer)
         staging.copy_from_local(Path(local))
     (staging / EXPORT_MARKER).delete()
     final = run / HF_DIR
     final.delete()
     staging.move_to(final, last=("config.json", "adapter_config.json"))
     return str(final)
-
-
-def save_tokenizer_files(config: SkrullConfig, out: Path, template: str | None) -> Any:
-    from app.model.export_tokenizer import save_tokenizer
-
-    return save_tokenizer(config.data.tokenizer, template, out)

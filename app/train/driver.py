@@ -158,7 +158,7 @@ def _run(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
         from app.model.export import publish_export
 
         export = publish_export(config, str(run_location_of(config, name)), step=int(history[-1]["step"]),
-                                template=data.chat_template_text)
+                                template=data.chat_template_text, tokenizer=data.tokenizer)
         print(f"the trained model: {export} (AutoModelForCausalLM.from_pretrained"
               f"{'; a peft adapter' if config.model.lora.r else ''})", file=out, flush=True)
     return TrainSummary(
