@@ -106,6 +106,11 @@ class LoraConfig:
                  f"(or all-linear), got {self.target_modules!r}")
 
 
+DIMENSION_KEYS = ("hidden_size", "kv_hidden_size", "num_layers", "intermediate_size", "vocab_size",
+                  "num_attention_heads", "num_key_value_heads", "num_params")
+"""ModelConfig's architecture keys, each 0 = the model's config.json (app/model/dims.py)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Which causal LM, its dtype and attention kernel, and its dimensions for the cost model."""
@@ -124,30 +129,41 @@ class ModelConfig:
     RoPE and fused linear cross-entropy; CUDA only, the `gpu` extra installs it) | auto (liger when it
     imports and the workers have GPUs, else torch)."""
     hidden_size: int = field(default=0, metadata=MATH)
-    """Cost-model dimension h (0: read from the model config)."""
+    """Hidden size h (0: the model's config.json; a tiny preset's default). A value set for a model whose
+    config.json says otherwise is an error naming both (app/model/dims.py), as for every dimension below."""
     kv_hidden_size: int = 0
-    """Cost-model dimension h_kv = num_key_value_heads * head_dim (0: read from the model config)."""
+    """h_kv = num_key_value_heads * head_dim (0: from config.json)."""
     num_layers: int = field(default=0, metadata=MATH)
-    """Cost-model layer count (0: read from the model config)."""
+    """Decoder layers (0: config.json's num_hidden_layers; a tiny preset's default)."""
     num_params: int = 0
-    """Cost-model parameter count for the per-micro-batch gradient reduce-scatter (0: estimated)."""
+    """Parameter count for the memory model and the gradient reduce-scatter (0: the checkpoint's
+    safetensors headers, else the sum over config.json's shapes for llama-like models, else estimated)."""
     vocab_size: int = field(default=0, metadata=MATH)
-    """Vocabulary size of a tiny preset and of the model cost formula's LM head (0: the tokenizer's size
-    for a tiny preset, the model config's otherwise)."""
+    """Vocabulary size (0: config.json's; a tiny preset's is the tokenizer's). With model.random_init it
+    resizes the random model's embedding instead of being checked."""
     num_attention_heads: int = field(default=0, metadata=MATH)
-    """Tiny presets only: attention heads (0: preset default)."""
+    """Attention heads (0: config.json's; a tiny preset's default)."""
     num_key_value_heads: int = field(default=0, metadata=MATH)
-    """Tiny presets only: KV heads (0: preset default)."""
+    """KV heads (0: config.json's; a tiny preset's default)."""
     intermediate_size: int = field(default=0, metadata=MATH)
-    """MLP width: a tiny preset's, and the model cost formula's (0: preset default / the model config)."""
+    """MLP width (0: config.json's; a tiny preset's default)."""
+    offline_dims: dict[str, int] = field(default_factory=dict)
+    """The dimensions to plan with where model.name_or_path's config.json cannot be read (`plan` for a hub
+    id not in the local Hugging Face cache: it reads no network), e.g. {hidden_size: 3584, num_layers: 28,
+    ...}: the keys above. Ignored whenever config.json is read, so a config carrying them still trains any
+    model.name_or_path; `plan` says in one line when it used them."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (model.lora.r > 0); off by default."""
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "kv_hidden_size", "num_layers", "num_params", "vocab_size",
-                     "num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        for name in DIMENSION_KEYS:
             _require(getattr(self, name) >= 0, f"model.{name} must be >= 0 (0: from the model), "
                      f"got {getattr(self, name)}")
+        unknown = sorted(set(self.offline_dims) - set(DIMENSION_KEYS))
+        _require(not unknown, f"model.offline_dims has unknown keys {unknown}; known: "
+                 f"{', '.join(DIMENSION_KEYS)}")
+        _require(all(isinstance(v, int) and v > 0 for v in self.offline_dims.values()),
+                 f"model.offline_dims values must be integers > 0, got {self.offline_dims}")
 
 
 FormatType = Literal["auto", "messages", "sharegpt", "alpaca", "prompt_completion", "text"]
@@ -546,6 +562,11 @@ class TrainConfig:
     device and seen (warned about, or stopped at) on the next log step."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept in the run directory (0: keep every one)."""
+    export_on_finish: bool = True
+    """When the run finishes, write <run_dir>/hf/: the trained model as a Hugging Face directory (weights,
+    config, tokenizer; a LoRA run: its peft adapter), as `export` writes it, streamed file by file from the
+    workers' ZeRO state (no process holds the whole model, no checkpoint is read back; also on an object
+    store). false: only the checkpoints (`export` makes the directory from one later)."""
     allow_config_change: bool = False
     """Resume a run although a key that changes its math (model, data, batch, optimizer) differs."""
     max_failures: int = 0
@@ -557,12 +578,14 @@ class TrainConfig:
     last one, reported as `eval_loss`; 0: never."""
     wandb_project: str = ""
     """Weights & Biases project every reported step's metrics also go to (app/sinks/wandb.py), one W&B run
-    per run.name; empty: off. Needs the extra skrull-on-ray[wandb]; WANDB_MODE=offline works offline."""
+    per run.name; empty: off. Needs the project's `wandb` extra (pip install -e '.[wandb]' in the checkout;
+    scripts/setup.sh and ray_cluster.yaml install it); WANDB_MODE=offline works offline."""
     wandb_entity: str = ""
     """W&B entity (user or team) of wandb_project; empty: the API key's default entity."""
     mlflow_uri: str = ""
     """MLflow tracking URI every reported step's metrics also go to (app/sinks/mlflow.py), e.g.
-    http://tracking:5000 or sqlite:///mlflow.db; empty: off. Needs the extra skrull-on-ray[mlflow]."""
+    http://tracking:5000 or sqlite:///mlflow.db; empty: off. Needs the project's `mlflow` extra (pip install
+    -e '.[mlflow]' in the checkout; scripts/setup.sh and ray_cluster.yaml install it)."""
     nonfinite: Literal["error", "skip"] = "error"
     """A step whose loss or gradient norm is inf/NaN on any rank (workers/nonfinite.py): `error` stops the
     run at that step (its update is never applied, no checkpoint of it is written, exit 1 naming the step

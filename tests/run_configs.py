@@ -14,6 +14,12 @@ step and a checkpoint take milliseconds (a 6-step DP 2 run with a checkpoint eve
 2026-11-25). What these tests check (resume, faults, elasticity, object storage, eval, LoRA) does not depend
 on the vocabulary; the tests of the tokenizer, the shared tiny run and export keep Qwen's."""
 
+NO_EXPORT = "train.export_on_finish=false"
+"""For runs that test something else: no end-of-run export (the driver's tokenizer conversion and config
+files, ~1.5-4 s a run on 2 cores). tests/test_export.py (the shared tiny run), tests/test_lora.py,
+tests/test_s3_storage.py, tests/test_elastic_cluster.py and the ZeRO-3 run of tests/test_resilience.py
+keep it on."""
+
 
 def scheduled_lrs(lr: float, warmup: int, total: int, min_ratio: float = 0.0,
                   kind: str = "cosine") -> list[float]:

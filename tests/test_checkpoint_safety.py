@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from app.config import ConfigError, load_config
-from tests.run_configs import SMALL_VOCAB
+from tests.run_configs import NO_EXPORT, SMALL_VOCAB
 from workers.checkpoint_files import manifest_name, problems, write_manifest
 from workers.storage import Location
 
@@ -229,7 +229,7 @@ def test_copy_into_a_full_filesystem_raises_enospc(tmp_path: Path) -> None:
 
 OVERRIDES = ["run.name=full", "data.num_samples=40", "data.length_scale=0.1",
              "scheduling.global_batch_size=8", "parallel.cp_size=1", "parallel.num_workers=2", SMALL_VOCAB,
-             "train.checkpoint_every=1", "train.steps=4"]
+             "train.checkpoint_every=1", "train.steps=4", NO_EXPORT]
 SMALL = "7m"
 """Two checkpoints of this tiny run (~2.8 MB each: model states, two optimizer shards) and its run files fit;
 a third does not, while Ray Train still keeps the first two (it deletes beyond train.keep_checkpoints=2 only

@@ -73,7 +73,9 @@ def test_gpu_configs_load(path: str, model: str, bucket: int | str) -> None:
     assert cfg.scheduling.bucket_size == bucket and cfg.hardware.profile == "h100"
     assert cfg.resources.gpus_per_worker == 1
     assert cfg.data.source == "path" and cfg.data.path
-    assert min(cfg.model.hidden_size, cfg.model.kv_hidden_size, cfg.model.num_layers) > 0
+    # dimensions only for `plan` offline (model.offline_dims); the model's own config.json otherwise
+    assert cfg.model.hidden_size == 0 and min(cfg.model.offline_dims[k] for k in (
+        "hidden_size", "kv_hidden_size", "num_layers")) > 0
 
 
 @pytest.mark.parametrize(("path", "model", "bucket"), [

@@ -25,6 +25,7 @@ from scheduling.eval_plan import plan_eval
 from scheduling.holdout import held_out, splitmix64
 from scheduling.payload import Sample
 from tests.conftest import TINY_RUN_STEPS
+from tests.run_configs import NO_EXPORT
 
 NUM_SAMPLES = 24  # as the shared run's (tests/test_train_e2e.py)
 BATCH = 4  # the pure and planning tests'; the shared run's global batches hold 8
@@ -85,7 +86,7 @@ def test_the_eval_plan_covers_every_eval_sample_once_per_rank_group(policy: str)
 def _config(tmp_path: Path, name: str, *overrides: str):
     return load_config("configs/tiny-cpu.yaml", [
         f"run.storage_path={tmp_path}", f"run.name={name}", f"data.num_samples={NUM_SAMPLES}",
-        "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", "train.steps=5",
+        "data.length_scale=0.1", f"scheduling.global_batch_size={BATCH}", "train.steps=5", NO_EXPORT,
         *overrides,
     ])
 
@@ -169,7 +170,8 @@ def test_eval_loss_is_reported_on_eval_steps_and_equals_the_hf_models_loss(eval_
     assert [h["step"] for h in summary.history] == list(range(1, TINY_RUN_STEPS + 1))
 
     spec = dataclasses.asdict(model_spec(config.model, config.train, tokenizer=config.data.tokenizer))
-    del spec["attention_backend"]
+    for runtime_choice in ("attention_backend", "kernels", "compile"):  # ModelSpec.build's own exclusions
+        del spec[runtime_choice]
     model = build_model(**spec, attn_implementation="eager")  # transformers' own attention, unsharded
     state = get_fp32_state_dict_from_zero_checkpoint(summary.checkpoint, tag=f"step{TINY_RUN_STEPS}")
     model.load_state_dict(state, strict=True)

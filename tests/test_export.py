@@ -1,6 +1,8 @@
 """`python -m app export`: one tiny Ray training run, exported, loaded by transformers in a fresh process.
 
-The run is tests/conftest.py's `tiny_run` (6 steps, DP 1 x CP 2), shared with test_train_e2e/test_report.
+The run is tests/conftest.py's `tiny_run` (6 steps, DP 1 x CP 2), shared with test_train_e2e/test_report;
+its own end-of-run export (train.export_on_finish, on by default: <run_dir>/hf/, streamed from the workers'
+ZeRO state) is loaded in the same fresh process and must give the CLI export's logits within 1e-6.
 
 References nobody here wrote: the trained model is rebuilt in this process from the checkpoint with
 DeepSpeed's own `load_state_dict_from_zero_checkpoint` into the run's model with transformers' "eager"
@@ -52,8 +54,8 @@ def trained(tiny_run, tmp_path_factory):
     result = json.loads(stdout.getvalue())  # stdout holds only the JSON line
     config = _config(tmp, "run")
     sequences = random_sequences(151643)
-    fresh = load_in_fresh_process(tmp, sequences, models={"model": str(out)}, tokenizer=str(out),
-                                  texts=TEXTS, messages=MESSAGES)
+    fresh = load_in_fresh_process(tmp, sequences, models={"model": str(out), "hf": f"{summary.run_dir}/hf"},
+                                  tokenizer=str(out), texts=TEXTS, messages=MESSAGES)
     return summary, config, out, result, sequences, fresh
 
 
@@ -81,6 +83,16 @@ def test_exported_model_gives_the_trained_models_logits(trained) -> None:
 
     initial = model_spec(config.model, config.train, tokenizer="qwen").build("eager").eval()
     assert max_relative_diff(reference_logits(initial, sequences), reference) > 1e-2
+
+
+def test_the_runs_own_hf_directory_is_the_export_of_its_final_checkpoint(trained) -> None:
+    summary, _, out, _, _, fresh = trained
+    hf = Path(summary.run_dir) / "hf"
+    assert summary.export == str(hf)
+    assert {p.name for p in out.iterdir()} == {p.name for p in hf.iterdir()}  # same files, tokenizer too
+    assert fresh["hf"]["attn"] != "dacp" and fresh["hf"]["dtype"] == "torch.float32"
+    assert max_relative_diff(fresh["hf"]["logits"], fresh["model"]["logits"]) <= 1e-6
+    assert not (Path(summary.run_dir) / ".hf-export").exists()  # published: nothing left behind
 
 
 def test_exported_model_reproduces_the_training_forward_loss(trained) -> None:

@@ -21,6 +21,7 @@ import pytest
 
 from app.__main__ import main
 from tests.chat_fixtures import ROWS, build_llama3_tokenizer, write_format_files
+from tests.run_configs import NO_EXPORT
 
 IGNORE = -100
 ASSISTANT_TURN = re.compile(r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n(.*?<\|eot_id\|>)", re.S)
@@ -119,7 +120,7 @@ def _train_config(tokenizer: Path, root: Path, name: str, *overrides: str):
     return load_config("configs/tiny-cpu.yaml", [
         f"run.storage_path={root}", f"run.name={name}", "model.name_or_path=tiny-llama",
         f"data.tokenizer={tokenizer}", "scheduling.global_batch_size=16", "train.steps=2",
-        "data.shuffle=false", *overrides])
+        "data.shuffle=false", NO_EXPORT, *overrides])
 
 
 @pytest.fixture(scope="module")

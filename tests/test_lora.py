@@ -8,6 +8,7 @@ own zero_to_fp32 consolidation and peft's `PeftModel.from_pretrained` / transfor
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -82,6 +83,13 @@ def test_exported_adapter_and_merged_model_give_the_trained_models_logits(lora_r
 
     tmp, run, exports = lora_run
     assert [exports[k].kind for k in ("adapter", "merged")] == ["adapter", "merged"]
+    # the run's own export (train.export_on_finish): the adapter, file for file what `export` writes
+    own, cli = Path(run.export), Path(exports["adapter"].out)
+    assert {p.name for p in own.iterdir()} == {p.name for p in cli.iterdir()}
+    configs = [json.loads((d / "adapter_config.json").read_text()) for d in (own, cli)]
+    for config in configs:  # peft writes all-linear's resolved modules from a set: in any order
+        config["target_modules"] = sorted(config["target_modules"])
+    assert configs[0] == configs[1]
     assert exports["adapter"].step == exports["merged"].step == STEPS
     adapter_dir = Path(exports["adapter"].out)
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
@@ -98,10 +106,11 @@ def test_exported_adapter_and_merged_model_give_the_trained_models_logits(lora_r
     reference = reference_logits(model, sequences)
     base = {"name_or_path": spec.name_or_path, "vocab_size": spec.vocab_size, "seed": spec.seed}
     fresh = load_in_fresh_process(tmp, sequences, models={"merged": exports["merged"].out},
-                                  adapters={"adapter": (str(adapter_dir), base)})
+                                  adapters={"adapter": (str(adapter_dir), base), "own": (str(own), base)})
     assert fresh["merged"]["attn"] != "dacp"
     for kind in ("adapter", "merged"):
         assert max_relative_diff(fresh[kind]["logits"], reference) <= TOL, kind
+    assert max_relative_diff(fresh["own"]["logits"], fresh["adapter"]["logits"]) <= 1e-6
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:

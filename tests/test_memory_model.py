@@ -74,6 +74,11 @@ def test_the_7b_terms_are_the_written_out_arithmetic() -> None:
     persistent, largest = L * (3 * H + 2 * HKV) + H, V * H  # norms and biases; the embedding
     assert zero3.weights == pytest.approx((P / w + persistent + largest + bucket) * e)
     assert zero3.tokens > zero2.tokens
+    # building and loading: ZeRO-2 every rank the whole model, on the host first; ZeRO-3 its partition and
+    # the largest module whole (the embedding here), the checkpoint's embedding mapped while it is read
+    assert (zero2.load.device, zero2.load.host, zero2.load.host_per_node) == (P * e, P * e, P * e * 8)
+    assert zero3.load.device == pytest.approx(P * e / w + V * H * e) and zero3.load.host == V * H * e
+    assert zero3.load_fits and zero3.load.device < zero3.static
     offload = memory_terms(config, zero_stage=3, offload=True)
     assert offload.recompute == "every layer + offload"
     assert offload.activations.kept_per_token == pytest.approx(head)  # the inputs are in host memory
@@ -133,6 +138,18 @@ def test_plan_of_the_32b_and_72b_configs_shows_c_step_times_and_memory_at_both_s
     assert out["checkpointing"]["source"] == "auto" and out["checkpointing"]["tokens"] == out["bucket_size"]
     assert memory[own]["recompute"] == out["checkpointing"]["setting"]
     assert memory[own]["peak_bytes"] + memory[own]["safety"] <= memory[own]["device"]
+    # the peak while the model is built and loaded, per rank: at ZeRO-2 a whole bf16 copy on every rank
+    # (72B: more than a GPU), at ZeRO-3 (workers/sharded.py) 1/32 of it plus the largest module, which fits
+    params = out["model_dims"]["num_params"]
+    assert out["model_dims"]["source"] == "config.json"  # configs/models/<model>/config.json
+    zero2 = memory["zero2"]
+    assert zero2["load"]["device"] == params * 2
+    assert zero2["load"]["fits"] == (params * 2 <= zero2["device"] - zero2["safety"]) == ("32b" in config)
+    for key in ("zero3", "zero3_offload"):
+        load = memory[key]["load"]
+        assert params * 2 / 32 < load["device"] < params * 2 / 32 + 3e9 and load["fits"]
+        assert load["host"] == 0  # random weights: no checkpoint is read
+    assert out["memory_terms"]["load"] == memory[own]["load"] and out["memory_terms"]["load"]["fits"]
 
 
 def test_plan_of_a_config_with_a_set_bucket_says_so(capsys) -> None:
@@ -266,6 +283,7 @@ def test_activation_offload_lowers_the_peak_device_memory_of_a_long_sequence() -
 def test_train_says_the_choice_and_the_derived_c_once() -> None:
     import io
 
+    from app.model.dims import dims_note
     from app.train.driver import _with_bucket_size
 
     out = io.StringIO()
@@ -273,7 +291,9 @@ def test_train_says_the_choice_and_the_derived_c_once() -> None:
     assert isinstance(config.scheduling.bucket_size, int)
     assert isinstance(config.train.activation_checkpointing, bool)
     _, budget = resolve_bucket_size(load_config(GPU_7B, SYNTHETIC))
-    assert out.getvalue().splitlines() == [budget.checkpointing.line(), budget.line()]
+    note = dims_note(load_config(GPU_7B).model)  # where Qwen2.5-7B's config.json is not cached here
+    said = [*([note] if note else []), budget.checkpointing.line(), budget.line()]
+    assert out.getvalue().splitlines() == said
     assert budget.checkpointing.line().startswith("activation checkpointing = ")
     out = io.StringIO()
     assert _with_bucket_size(load_config(None, []), out).scheduling.bucket_size == 26000

@@ -26,7 +26,7 @@ import torch
 from app.config import ConfigError, load_config
 from scheduling import CostModel, plan_step
 from scheduling.payload import Cursor, Sample, build_rank_payloads
-from tests.run_configs import SMALL_VOCAB
+from tests.run_configs import NO_EXPORT, SMALL_VOCAB
 from workers.lr_schedule import LrSchedule
 
 VOCAB = 64
@@ -200,14 +200,14 @@ def test_the_json_summary_of_a_run_whose_last_step_was_skipped_is_strict_json() 
 
     summary = TrainSummary(steps=2, samples=16, tokens=100, loss_first=6.0, loss_last=float("nan"),
                            tokens_per_s=10.0, checkpoint=None, run_dir="r", resumed_from_step=None,
-                           restarts=0, history=[])
+                           restarts=0, export=None, history=[])
     assert json.loads(json.dumps(summary.to_json_dict(), allow_nan=False))["loss_last"] is None
 
 
 # ------------------------------------------------------------------------- end to end (slow, Ray)
 
 COMMON = ["data.num_samples=40", "data.length_scale=0.1", "scheduling.global_batch_size=8",
-          "parallel.cp_size=1", "parallel.num_workers=2", SMALL_VOCAB, "train.checkpoint_every=1",
+          "parallel.cp_size=1", "parallel.num_workers=2", SMALL_VOCAB, NO_EXPORT, "train.checkpoint_every=1",
           "train.lr=1.0e+30"]
 
 

@@ -45,9 +45,9 @@ def test_plan_table(capsys):
 
 
 def test_plan_needs_model_dims():
-    with pytest.raises(ConfigError, match="model.hidden_size"):
-        # a local path that does not exist: the HF config lookup fails at once instead of going online
-        _run(plan, ["--config", PAPER, "--set", "model.hidden_size=0", "--set",
+    with pytest.raises(ConfigError, match="model.offline_dims"):
+        # a local path that does not exist: no config.json to read, and no dimensions in the config
+        _run(plan, ["--config", PAPER, "--set", "model.offline_dims={}", "--set",
                     "model.name_or_path=/nonexistent/skrull-model"])
 
 
@@ -73,7 +73,7 @@ def test_plan_says_how_many_rows_too_long_changed(capsys, mode: str):
     assert _run(plan, [*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"policies", "too_long", "data", "cp_degrees", "bucket_size", "bucket_size_source",
-                        "checkpointing", "memory", "memory_terms"}
+                        "checkpointing", "memory", "memory_terms", "model_dims"}
     assert set(out["policies"]) == set(POLICIES)
     report = out["too_long"]
     assert out["data"]["formats"] == {"synthetic": report["sampled"]}

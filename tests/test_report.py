@@ -89,7 +89,7 @@ def test_a_set_mlflow_uri_without_mlflow_is_a_config_error_naming_the_key(monkey
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "mlflow" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"train\.mlflow_uri.*skrull-on-ray\[mlflow\]"):
+    with pytest.raises(ConfigError, match=r"train\.mlflow_uri.*\.\[mlflow\]"):
         check_mlflow("http://tracking:5000")
     check_mlflow("")  # off: never needs mlflow
 

@@ -36,7 +36,7 @@ from app.rundir.snapshot import recorded_step  # noqa: E402
 from app.train.driver import TrainSummary, train  # noqa: E402
 from app.train.report import run_report  # noqa: E402
 from tests.driver_process import SignaledDriver, Stopped  # noqa: E402
-from tests.run_configs import SMALL_VOCAB, scheduled_lrs, shuffled_chats, shuffled_step_ids  # noqa: E402
+from tests.run_configs import NO_EXPORT, SMALL_VOCAB, scheduled_lrs, shuffled_chats, shuffled_step_ids  # noqa: E402
 
 NUM_SAMPLES, BATCH, STEPS = 40, 8, 12
 WARMUP, LR = 3, 0.003  # LR: configs/tiny-cpu.yaml's
@@ -49,7 +49,7 @@ WARMUP_LRS = scheduled_lrs(LR, WARMUP, STEPS, kind="constant")
 # milliseconds, ranks that start within a second or two of each other), short enough not to idle.
 HUNG_TIMEOUT_S = 10
 COMMON = [f"scheduling.global_batch_size={BATCH}", "parallel.cp_size=1", "parallel.num_workers=2",
-          SMALL_VOCAB, f"train.warmup_steps={WARMUP}",
+          SMALL_VOCAB, f"train.warmup_steps={WARMUP}", NO_EXPORT,
           "train.lr=3e-3"]  # configs/tiny-cpu.yaml's, as written in the file too: YAML 1.2 floats train
 
 
@@ -330,13 +330,15 @@ def test_a_zero3_run_equals_the_zero2_run_and_resumes_exactly_after_a_killed_wor
     """The reference's first 6 steps at train.zero_stage=3 (the weights partitioned over both ranks,
     gathered per layer), one worker SIGKILLed after step 3: Ray Train restarts the group from step 3's
     ZeRO-3 checkpoint. The losses equal the ZeRO-2 reference's within 1e-5 relative (the same fp32 sums,
-    reduced in another order), and the run exports as a ZeRO-2 run does (app/model/export.py)."""
+    reduced in another order), and the run exports as a ZeRO-2 run does (app/model/export.py); its own
+    end-of-run export (train.export_on_finish) holds the same weights."""
     from app.model.export import export
 
     steps = 6
     faults = [(3, _signal_a_worker(signal.SIGKILL, set()))]
     summary, _ = _train_with_faults(tmp_path, "zero3", faults, *chats, f"train.steps={steps}",
-                                    "train.max_failures=1", "train.zero_stage=3")
+                                    "train.max_failures=1", "train.zero_stage=3",
+                                    "train.export_on_finish=true")
     assert summary.restarts == 1 and summary.resumed_from_step is None
     assert [h["step"] for h in summary.history] == list(range(1, steps + 1))
     assert summary.losses == pytest.approx(reference[:steps], rel=1e-5)
@@ -344,7 +346,12 @@ def test_a_zero3_run_equals_the_zero2_run_and_resumes_exactly_after_a_killed_wor
     _assert_samples_exact(summary.run_dir, steps)
     exported = export(summary.run_dir, str(tmp_path / "exported"))
     assert (exported.kind, exported.step) == ("model", steps)
-    assert Path(exported.out, "model.safetensors").stat().st_size > 0
+    # the run's own end-of-run export, streamed from the restarted group's ZeRO-3 state: the same weights
+    import torch
+    from safetensors.torch import load_file
+
+    own, cli = (load_file(str(Path(d, "model.safetensors"))) for d in (summary.export, exported.out))
+    assert set(own) == set(cli) and all(torch.equal(own[k], cli[k]) for k in cli)
 
 
 CTRL_C_DECAY = ("train.lr_scheduler=cosine", "train.min_lr_ratio=0.1")

@@ -269,11 +269,11 @@ def _synth_parquet(out: Path, n: int) -> None:
 
 
 # -- a training run on the store ---------------------------------------------------------------------------
-def _run_config(s3: S3Server, steps: int):
+def _run_config(s3: S3Server, steps: int, *extra: str):
     return load_config("configs/tiny-cpu.yaml", [
         f"run.storage_path={s3.uri('runs')}", "run.name=s3run", "data.source=path",
         f"data.path={s3.uri('data/x.parquet')}", "data.shuffle=true", f"scheduling.global_batch_size={BATCH}",
-        f"train.steps={steps}", "train.checkpoint_every=2", "train.keep_checkpoints=0", SMALL_VOCAB])
+        f"train.steps={steps}", "train.checkpoint_every=2", "train.keep_checkpoints=0", SMALL_VOCAB, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +291,7 @@ def runs(s3: S3Server, local_ray, tmp_path_factory) -> dict[str, object]:
     fs.copy_files(str(data / "part-00000.parquet"), f"{BUCKET}/data/x.parquet",
                   source_filesystem=fs.LocalFileSystem(),
                   destination_filesystem=Location.of(s3.uri("data")).filesystem)
-    first = train(_run_config(s3, 2), progress=False, quiet=True)
+    first = train(_run_config(s3, 2, "train.export_on_finish=false"), progress=False, quiet=True)
     return {"first": first, "after_first": s3.keys("runs/s3run/"),
             "first_log": s3.text("runs/s3run/logs/driver.log")}
 
@@ -340,6 +340,39 @@ def test_rerunning_the_name_resumes_from_the_buckets_checkpoint(s3: S3Server, ru
     assert s3.text("runs/s3run/logs/driver.log").startswith(runs["first_log"])
     assert sum(k.startswith("runs/s3run/tensorboard/events.out.tfevents") for k in keys) == 2
     assert any(k.startswith("runs/s3run/checkpoint_20") and "/step4/" in k for k in keys)  # the new one
+    _check_the_model_in_the_bucket(s3, runs, resumed, keys)
+
+
+def _check_the_model_in_the_bucket(s3: S3Server, runs, resumed, keys: list[str]) -> None:
+    """The first call (train.export_on_finish=false) left no model; the resumed one (the default) wrote
+    hf/ into the bucket from its workers, which gives the logits of `export`'s files of its final checkpoint
+    (both read back to local disk here) within 1e-6, and left no staging behind."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from app.model.export import _trained_template, write_export
+
+    assert runs["first"].export is None and not [k for k in runs["after_first"] if "hf" in k.split("/")[2]]
+    assert resumed.export == s3.uri("runs/s3run/hf")
+    assert not [k for k in keys if ".hf-export" in k]
+    with tempfile.TemporaryDirectory() as tmp:
+        own, checkpoint, exported = Path(tmp, "hf"), Path(tmp, "checkpoint"), Path(tmp, "export")
+        for key in (k for k in keys if k.startswith("runs/s3run/hf/")):
+            (own / key[len("runs/s3run/hf/"):]).parent.mkdir(parents=True, exist_ok=True)
+            s3.client.download_file(BUCKET, key, str(own / key[len("runs/s3run/hf/"):]))
+        Location.of(resumed.checkpoint).copy_to_local(checkpoint)
+        config = _run_config(s3, 4)
+        exported.mkdir()
+        write_export(config, checkpoint, "step4", exported, kind="model", dtype="fp32",
+                     template=_trained_template(resumed.run_dir, config))
+        assert {p.name for p in own.iterdir()} == {p.name for p in exported.iterdir()}
+        ids = torch.randint(0, 773, (1, 40), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ours, theirs = (AutoModelForCausalLM.from_pretrained(str(d)).eval()(ids).logits
+                            for d in (own, exported))
+        assert float((ours - theirs).abs().max() / theirs.abs().max()) <= 1e-6
 
 
 def test_data_prepare_writes_its_shards_and_manifest_to_the_bucket(s3: S3Server, runs, capsys) -> None:

@@ -169,7 +169,7 @@ def test_a_set_project_without_wandb_is_a_config_error_naming_the_key(monkeypatc
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"train\.wandb_project='p'.*skrull-on-ray\[wandb\]"):
+    with pytest.raises(ConfigError, match=r"train\.wandb_project='p'.*\.\[wandb\]"):
         check_wandb("p")
     check_wandb("")  # off: never needs wandb
 

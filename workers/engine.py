@@ -17,6 +17,7 @@ from typing import Any, TypedDict
 import torch
 import torch.distributed as dist
 
+from workers.deepspeed_import import import_deepspeed
 from workers.loss import LOSS_HEAD
 from workers.lr_schedule import LrSchedule, scheduler_factory
 from workers.models import ModelSpec
@@ -157,47 +158,6 @@ def use_extensions_cache_per_environment() -> str:
     return os.environ.setdefault("TORCH_EXTENSIONS_DIR", default)
 
 
-def import_deepspeed() -> Any:
-    """`import deepspeed`, without letting it import mlflow; lazy: the driver and Ray Data never need it.
-
-    DeepSpeed's autotuner, which a run never starts, imports mlflow at import time when it is installed
-    (the `mlflow` extra): mlflow 3 brings its GenAI stack, ~1.5-3 s of CPU in every train worker's start
-    (measured with `python -X importtime`, 2026-11-25). While deepspeed imports, `import mlflow` raises
-    ImportError (a None entry in sys.modules), which DeepSpeed catches; the entry is removed afterwards,
-    so mlflow imports normally later in the process.
-
-    Every call also keeps DeepSpeed from JIT-building its CPU shm comm op (skip_cpu_shm_comm_op), so that
-    each process that builds an engine, whichever way it imported deepspeed, skips it.
-    """
-    if "deepspeed" not in sys.modules:
-        blocked = "mlflow" not in sys.modules
-        if blocked:
-            sys.modules["mlflow"] = None  # type: ignore[assignment]
-        try:
-            import deepspeed  # noqa: F401
-        finally:
-            if blocked and sys.modules.get("mlflow", 0) is None:
-                del sys.modules["mlflow"]
-    skip_cpu_shm_comm_op()
-    return sys.modules["deepspeed"]
-
-
-def skip_cpu_shm_comm_op() -> None:
-    """Keep DeepSpeed's CPU accelerator from JIT-building its shared-memory all-reduce op.
-
-    When DeepSpeed's comm backend starts on the CPU accelerator it builds `deepspeed_shm_comm` with g++
-    (40-70 s with both cores of a 2-core machine, once per environment and cache: the first step of every
-    new CPU setup waited for it, CI included; measured 2026-11-25) for `inference_all_reduce` alone, which
-    training never calls: ZeRO's collectives go through torch.distributed. DeepSpeed builds it only if
-    `deepspeed.ops.__compatible_ops__` marks it compatible (deepspeed/comm/torch.py `build_shm_op`), and
-    that dict is DeepSpeed's per-process record of which ops may be built, so the op is marked off there.
-    CUDA's accelerator has no such op: a GPU worker is unaffected.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
 def for_world_size(ds_config: DeepSpeedConfig, overlap_comm: str, world_size: int) -> DeepSpeedConfig:
     """ds_config with train.overlap_comm=auto decided for this worker group: off on a single worker (nothing
     to overlap; with it DeepSpeed synchronizes the device after every backward), as generated otherwise."""
@@ -210,7 +170,8 @@ def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.devi
                  groups: ZeroGroups | None = None, lr_schedule: LrSchedule | None = None,
                  overlap_comm: str = "auto") -> Any:
     """The model on `device` (its kernels and compilation applied, ModelSpec.build_on), wrapped in a
-    DeepSpeed engine: ZeRO (ds_config's stage) over `groups` (default: the world), its learning rate
+    DeepSpeed engine: ZeRO (ds_config's stage) over `groups` (default: the world; at stage 3 the model is
+    built partitioned over them, workers/sharded.py: no rank ever holds it whole), its learning rate
     following `lr_schedule` (workers/lr_schedule.py; None: constant). `overlap_comm`: train.overlap_comm
     (for_world_size). With torch's fused AdamW the ZeRO-1/2 step runs on the device alone
     (workers/zero_step.py), when the engine allows it (else DeepSpeed's own step, said once)."""
@@ -220,7 +181,8 @@ def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.devi
     ds_config = for_world_size(ds_config, overlap_comm, world)
 
     torch.manual_seed(seed)  # identical initial weights on every rank for random-init models
-    model = spec.build_on(device)
+    zero3 = dict(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None
+    model = spec.build_on(device, zero3=zero3, group=groups.data if groups is not None else None)
     prepare_for_zero(model, ds_config)
     engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config), mpu=groups,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad],

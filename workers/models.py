@@ -5,6 +5,8 @@
     build_model("Qwen/Qwen2.5-0.5B")          hub weights (or random_init=True: its config, random weights)
     build_model("/path/to/hf_model_dir")      a local HF model directory
     build_model(..., lora_r=8)                any of them with peft LoRA adapters; only the adapters train
+    build_model(..., zero3=ds_config)         any of them partitioned over the ranks as it is built and
+                                              loaded (ZeRO-3, workers/sharded.py): the same weights
 """
 
 from __future__ import annotations
@@ -61,20 +63,69 @@ class ModelSpec:
         """Only adapters train: checkpoints save and load only the trainable (adapter) weights."""
         return self.lora_r > 0
 
-    def build(self, attn_implementation: str | None = None) -> torch.nn.Module:
-        """The model with the DACP attention, or `attn_implementation` (e.g. "sdpa" to export it)."""
+    def build(self, attn_implementation: str | None = None, *, zero3: dict[str, Any] | None = None,
+              group: Any = None) -> torch.nn.Module:
+        """The model with the DACP attention, or `attn_implementation` (e.g. "sdpa" to export it);
+        `zero3` (a stage-3 DeepSpeed config): built partitioned over `group` (build_model)."""
         kwargs = dataclasses.asdict(self)
         for runtime_choice in ("attention_backend", "kernels", "compile"):  # made on the device: build_on
             del kwargs[runtime_choice]
-        return build_model(**kwargs, attn_implementation=attn_implementation)
+        return build_model(**kwargs, attn_implementation=attn_implementation, zero3=zero3, group=group)
 
-    def build_on(self, device: torch.device) -> torch.nn.Module:
-        """The training model on `device` in train mode: built, moved, its kernel set applied and activated
-        (model.kernels resolved for the device), its layers compiled with train.compile."""
-        model = self.build().to(device)
+    def hf_config(self) -> Any:
+        """The transformers config the build uses: a tiny preset's, or model.name_or_path's config.json
+        (a random-init build's vocabulary resized by vocab_size)."""
+        from transformers import AutoConfig
+
+        if is_tiny_preset(self.name_or_path):
+            return _tiny_config(self.name_or_path, dict(
+                vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+                num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                intermediate_size=self.intermediate_size))
+        config = AutoConfig.from_pretrained(os.path.expanduser(self.name_or_path))
+        if self.random_init and self.vocab_size:
+            config.vocab_size = self.vocab_size
+        return config
+
+    def meta_model(self, attn_implementation: str = "sdpa") -> torch.nn.Module:
+        """The architecture on the meta device (no memory): names, shapes, class and generation config of
+        what an export writes."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(self.hf_config(), attn_implementation=attn_implementation,
+                                                    dtype=DTYPES[self.dtype])
+
+    def meta_peft_model(self) -> Any:
+        """The run's PeftModel (peft's wrapper with the run's LoraConfig) on the meta device: what names a
+        LoRA export's adapter files (workers/hf_export.py write_adapter)."""
+        from peft import get_peft_model
+
+        config = lora_config(self.lora_r, self.lora_alpha, self.lora_dropout, self.lora_target_modules)
+        base = self.meta_model()
+        base.name_or_path = self.name_or_path  # what peft records as base_model_name_or_path
+        with torch.device("meta"):
+            return get_peft_model(base, config)
+
+    def build_on(self, device: torch.device, *, zero3: dict[str, Any] | None = None,
+                 group: Any = None) -> torch.nn.Module:
+        """The training model on `device` in train mode: built (partitioned over `group` with a stage-3
+        `zero3` config, its partitions made on `device`; else whole and moved), its kernel set applied and
+        activated (model.kernels resolved for the device), its layers compiled with train.compile."""
+        if zero3 is None:
+            model = self.build().to(device)
+        else:
+            use_accelerator_device(device)  # where zero.Init puts the partitions
+            model = self.build(zero3=zero3, group=group)
         model.train()  # from_pretrained returns eval mode, which would also skip activation recompute
         prepare_on_device(model, device, kernels=self.kernels, compile=self.compile)
         return model
+
+
+def use_accelerator_device(device: torch.device) -> None:
+    """Make `device` DeepSpeed's current accelerator device (zero.Init allocates there)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def prepare_on_device(model: torch.nn.Module, device: torch.device, *, kernels: str = "auto",
@@ -121,6 +172,7 @@ def build_model(
     activation_checkpointing: bool = False, activation_checkpointing_every: int = 1,
     activation_offload: bool = False, lora_r: int = 0, lora_alpha: float = 16.0,
     lora_dropout: float = 0.0, lora_target_modules: str | tuple[str, ...] = "all-linear",
+    zero3: dict[str, Any] | None = None, group: Any = None,
 ):
     """A transformers PreTrainedModel using the "dacp" attention (or `attn_implementation`), use_cache off.
 
@@ -130,7 +182,12 @@ def build_model(
     checkpointing, non-reentrant so the DACP layout keyword arguments pass through): the recompute re-runs
     the ring, which is safe because every CP rank recomputes the same layers in the same order;
     `activation_checkpointing_every` and `activation_offload` are enable_checkpointing's.
-    `lora_r` > 0 injects LoRA adapters after the weights are built (apply_lora).
+    `lora_r` > 0 injects LoRA adapters after the weights are built (apply_lora), from the generator
+    seeded again with `seed`, so that every rank and every way of building makes the same adapters.
+    `zero3` (a stage-3 DeepSpeed config): every weight is partitioned over `group` (default: the world)
+    as its module is built and filled partition by partition (workers/sharded.py); the weights equal the
+    whole build's (random ones: both skip torch's construction-time init and run transformers' init in
+    the same order from the same seed).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -138,14 +195,12 @@ def build_model(
         raise ValueError(f"model.dtype={dtype!r} is not one of: {', '.join(DTYPES)}")
     attn = attn_implementation or register_dacp_attention()
     torch_dtype = DTYPES[dtype]
-    torch.manual_seed(seed)
     if is_tiny_preset(name_or_path):
         dims = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                     num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
                     intermediate_size=intermediate_size)
         config = _tiny_config(name_or_path, dims)
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn,
-                                                 dtype=torch_dtype)
+        model = _random_model(copy.deepcopy(config), attn, torch_dtype, seed, zero3, group)
     else:
         path = os.path.expanduser(name_or_path)
         if _is_local_path(name_or_path) and not os.path.isdir(path):
@@ -155,7 +210,12 @@ def build_model(
                 config = AutoConfig.from_pretrained(path)
                 if vocab_size:
                     config.vocab_size = vocab_size
-                model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch_dtype)
+                model = _random_model(config, attn, torch_dtype, seed, zero3, group)
+            elif zero3 is not None:
+                from workers.sharded import pretrained_partitioned
+
+                model = pretrained_partitioned(path, attn=attn, dtype=torch_dtype, ds_config=zero3,
+                                               group=group)
             else:
                 model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn,
                                                              dtype=torch_dtype)
@@ -163,10 +223,33 @@ def build_model(
             raise ValueError(f"model.name_or_path={name_or_path!r} could not be loaded: {err}") from err
     model.config.use_cache = False
     if lora_r:
+        torch.manual_seed(seed)
         model = apply_lora(model, lora_config(lora_r, lora_alpha, lora_dropout, lora_target_modules))
     if activation_checkpointing:
         enable_checkpointing(model, every_n_layers=activation_checkpointing_every, offload=activation_offload)
     attach_loss_head(model)
+    return model
+
+
+def _random_model(config: Any, attn: str, dtype: torch.dtype, seed: int, zero3: dict[str, Any] | None,
+                  group: Any) -> torch.nn.Module:
+    """`config`'s architecture with transformers' random init from `seed`: built without torch's
+    construction-time init (transformers' no_init_weights), then `init_weights` (initialize, tie). A ZeRO-3
+    build (workers/sharded.py) initializes the same modules in the same order from the same generator, so
+    the two give the same weights."""
+    from transformers import AutoModelForCausalLM, initialization
+
+    torch.manual_seed(seed)
+    if zero3 is not None:
+        from workers.sharded import initialize_partitioned, zero3_construction
+
+        with zero3_construction(zero3, group):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        initialize_partitioned(model)
+        return model
+    with initialization.no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    model.init_weights()
     return model
 
 

@@ -291,6 +291,18 @@ class Location:
             fs.copy_files(str(directory), self.path, source_filesystem=fs.LocalFileSystem(),
                           destination_filesystem=self.filesystem)
 
+    def move_to(self, target: Location, *, last: tuple[str, ...] = ()) -> None:
+        """This directory becomes `target` (which must not exist). Local: one rename, atomic. An object
+        store has no directory rename: each file is moved (a server-side copy, then a delete), the files
+        named in `last` after every other one, so that a reader who waits for those finds the rest."""
+        if self.is_local:
+            os.replace(self.uri, target.uri)
+            return
+        root = self.path.rstrip("/")
+        for file in sorted(self.files(), key=lambda f: f.name in last):
+            self.filesystem.move(file.path, f"{target.path}/{file.path[len(root) + 1:]}")
+        self.delete()
+
     def copy_to_local(self, directory: Path, *, skip: tuple[str, ...] = ()) -> None:
         """Copy every file below this directory into the local `directory`, except those whose first
         path component starts with one of `skip`."""
@@ -305,10 +317,11 @@ class Location:
 
 
 # -- the driver's local mirror of a remote run -------------------------------------------------------------
-MIRROR_SKIP = ("checkpoint", "samples.jsonl", "skrull_", ".")
+MIRROR_SKIP = ("checkpoint", "samples.jsonl", "skrull_", ".", "hf")
 """Run files the mirror never holds: Ray Train's checkpoints and bookkeeping, the workers' samples.jsonl,
-the config and data snapshots (skrull_*.json) and the run lease (.skrull-lease.json) are written to the
-store directly, and a copy back must never overwrite them."""
+the config and data snapshots (skrull_*.json), the run lease (.skrull-lease.json) and the exported model
+(hf/, .hf-export/: workers/hf_export.py) are written to the store directly, and a copy back must never
+overwrite them."""
 
 
 def mirror_directory(run: Location) -> Path:

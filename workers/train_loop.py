@@ -49,6 +49,7 @@ from workers.checkpoints import (
 from workers.distributed import ParallelGroups
 from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
 from workers.eval_step import EvalSet, is_eval_step
+from workers.hf_export import export_complete, export_engine
 from workers.lr_schedule import LrSchedule
 from workers.metrics import MetricsWindow
 from workers.models import ModelSpec
@@ -102,6 +103,9 @@ class WorkerSettings:
     0: none."""
     overlap_comm: str = "auto"
     """train.overlap_comm (workers/engine.py for_world_size decides `auto` on the worker)."""
+    export_on_finish: bool = False
+    """train.export_on_finish: after the last step, the trained weights (a LoRA run's adapter) streamed into
+    <run_dir>/.hf-export/ (workers/hf_export.py), which the driver publishes as <run_dir>/hf/."""
 
 
 def _append_samples(run_dir: str, payload: RankPayload) -> None:
@@ -268,7 +272,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     resume = resume_point(checkpoint)
     if resume is not None and resume.step >= settings.total_steps:
         # A group started after the final checkpoint (an elastic resize or a restart in the moment between
-        # the last report and the end of the run): the run is complete, there is nothing to plan or train.
+        # the last report and the end of the run): the run is complete, there is nothing to plan or train;
+        # only the export may be missing (the previous group stopped during it).
+        if settings.export_on_finish and not _exported(settings, groups, resume.step):
+            engine = _engine(settings, device, groups, checkpoint, resume, context.get_local_rank())
+            export_engine(engine, settings.model, settings.run_dir, step=resume.step,
+                          group=groups.world_group)
         return
     session = uuid.uuid4().hex  # only world rank 0's is used: it names this start of the worker group
     is_rank0 = context.get_world_rank() == 0
@@ -278,6 +287,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     engine = _engine(settings, device, groups, checkpoint, resume, context.get_local_rank())
     _train(settings, engine, groups, device, resumed=resume.step if resume else 0, session=session,
            is_rank0=is_rank0)
+
+
+def _exported(settings: WorkerSettings, groups: ParallelGroups, step: int) -> bool:
+    """World rank 0's reading of whether the export of `step` is complete, the same on every rank."""
+    found = [export_complete(settings.run_dir, step) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0, group=groups.world_group)
+    return bool(found[0])
 
 
 def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGroups, device: torch.device,
@@ -327,6 +343,8 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
                 return
             if save:
                 guard.last_checkpoint_step = step
+    if settings.export_on_finish:  # every step trained and the last one checkpointed
+        export_engine(engine, settings.model, settings.run_dir, step=last, group=groups.world_group)
 
 
 def fetch_and_step(settings: WorkerSettings, planner: PlannerClient, engine: DeepSpeedEngine,

@@ -10,6 +10,7 @@ import argparse
 import json
 
 from app.commands.common import add_config_arguments, add_json_argument, config_from_args
+from app.config import SkrullConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +18,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_argument(parser)
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="write a per-rank modeled-time chart (static CP beside Skrull) to this file")
+
+
+def model_dims_json(config: SkrullConfig) -> dict[str, object]:
+    """The model's dimensions as planned (app/model/dims.py) and where they come from: `plan --json`'s
+    "model_dims"; "note" is the line said where config.json could not be read (else None)."""
+    from app.config import DIMENSION_KEYS
+    from app.model.dims import checkpoint_dims, dims_note, resolved_model
+
+    resolved = resolved_model(config.model)
+    source = "preset" if resolved is config.model else (
+        "config.json" if checkpoint_dims(config.model) is not None else "config")
+    return {**{key: getattr(resolved, key) for key in DIMENSION_KEYS}, "source": source,
+            "note": dims_note(config.model)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     )
     from app.profiling.plan_report import degree_line, format_table, plan_dry_run, plot_ranks
 
-    config, budget = resolve_bucket_size(config_from_args(args, derive_bucket_size=False))
+    config = config_from_args(args, derive_bucket_size=False)
+    dims = model_dims_json(config)  # a model.* dimension config.json contradicts: exit 2
+    config, budget = resolve_bucket_size(config)
     check_model_support(config)  # a model the DACP attention cannot run, a vocabulary it cannot embed: exit 2
     cost = cost_model(config)
     runs, summary, too_long, read, degrees = plan_dry_run(config, cost)
@@ -51,7 +67,11 @@ def run(args: argparse.Namespace) -> int:
         # "memory" the modeled bytes per rank at ZeRO-2 and ZeRO-3, without and with activation offload, and
         # "memory_terms" the run's own (its ZeRO stage); "checkpointing" the setting, and with
         # train.activation_checkpointing=auto every candidate's C, peak and modeled step
+        # "model_dims" the dimensions planned with and their source (config.json, or the config's own where
+        # config.json cannot be read: app/model/dims.py); "load" in each "memory" entry the modeled peak
+        # per rank while the model is built and loaded (app/profiling/memory.py load_peak)
         print(json.dumps({"policies": summary, "too_long": too_long.as_json(), "data": read,
+                          "model_dims": dims,
                           "cp_degrees": degrees, "bucket_size": budget.tokens,
                           "bucket_size_source": budget.source, "checkpointing": checkpointing,
                           "memory": {k: t.as_json() for k, t in memory_table(config).items()},
@@ -64,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
           f"hardware={cost.profile.name}, per-micro-batch cost b="
           f"{cost.micro_batch_overhead_s(par.dp_size * par.cp_size) * 1e3:.1f} ms "
           "(modeled times, not measurements)")
+    if dims["note"]:
+        print(dims["note"])
     print(budget.line())
     if choice:
         print(choice.line())

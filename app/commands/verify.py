@@ -119,9 +119,12 @@ def _check_memory(args: argparse.Namespace, cfg: SkrullConfig, model: str, lengt
     from app.profiling.hardware import model_dims
 
     dims_model = dataclasses.replace(cfg.model, name_or_path=model)
-    dims = model_dims(dataclasses.replace(dims_model, vocab_size=dims_model.vocab_size or 1))
+    if is_tiny_preset(model):  # its vocabulary would load the tokenizer; the estimate takes the default
+        dims_model = dataclasses.replace(dims_model, vocab_size=dims_model.vocab_size or 1)
+    dims = model_dims(dims_model)
     hidden, layers = dims.hidden_size, dims.num_layers
-    vocab = cfg.model.vocab_size or (TINY_DEFAULTS["vocab_size"] if is_tiny_preset(model) else 151936)
+    default = TINY_DEFAULTS["vocab_size"] if is_tiny_preset(model) else dims.vocab_size
+    vocab = cfg.model.vocab_size or default
     need = estimate_peak_bytes(hidden=hidden, layers=layers, vocab=vocab, lengths=lengths, cp=args.cp)
     have = psutil.virtual_memory().available
     line = f"verify: estimated peak memory {need / 1e9:.1f} GB ({have / 1e9:.1f} GB available)"

@@ -59,12 +59,13 @@ def run_chat_template(data: DataConfig) -> str | None:
     return resolve_template(load_tokenizer(data.tokenizer), data.chat_template, text).text
 
 
-def hf_tokenizer(name: str, chat_template: str | None) -> Any:
-    """A transformers tokenizer equivalent to `load_tokenizer(name)`, carrying `chat_template` (the run's
-    resolved template text, `run_chat_template`; None: no template) and its end-of-turn token as eos."""
+def hf_tokenizer(name: str, chat_template: str | None, loaded: Any = None) -> Any:
+    """A transformers tokenizer equivalent to `load_tokenizer(name)` (`loaded`: that, already loaded),
+    carrying `chat_template` (the run's resolved template text, `run_chat_template`; None: no template) and
+    its end-of-turn token as eos."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    run_tok = load_tokenizer(name)
+    run_tok = loaded if loaded is not None else load_tokenizer(name)
     if run_tok.kind == "tiktoken":
         tok = PreTrainedTokenizerFast(tokenizer_object=_qwen_fast_tokenizer(run_tok.backend._tokenizer),
                                       pad_token=END_OF_TEXT, eos_token=END_OF_TEXT)
@@ -84,9 +85,10 @@ def hf_tokenizer(name: str, chat_template: str | None) -> Any:
     return tok
 
 
-def save_tokenizer(name: str, chat_template: str | None, out: Path) -> Any:
+def save_tokenizer(name: str, chat_template: str | None, out: Path, loaded: Any = None) -> Any:
     """Write the tokenizer files into `out`; returns the tokenizer (its eos/pad ids go to the model).
-    `chat_template`: the run's resolved template text (`run_chat_template`)."""
-    tok = hf_tokenizer(name, chat_template)
+    `chat_template`: the run's resolved template text (`run_chat_template`); `loaded`: the run's
+    TextTokenizer when the caller holds it (the end of a run: not loaded again)."""
+    tok = hf_tokenizer(name, chat_template, loaded)
     tok.save_pretrained(str(out))
     return tok

@@ -60,7 +60,7 @@ def model_config_dict(model: ModelConfig) -> HfConfig | None:
     if is_tiny_preset(name):
         return None
     local = Path(name).expanduser()
-    file = local / "config.json" if local.is_dir() else _cached_hub_file(name, "config.json")
+    file = local / "config.json" if local.is_dir() else cached_hub_file(name, "config.json")
     if file is None or not file.is_file():
         return None
     try:
@@ -73,7 +73,7 @@ def model_config_dict(model: ModelConfig) -> HfConfig | None:
     return {**found, **text} if isinstance(text, dict) else found
 
 
-def _cached_hub_file(repo_id: str, filename: str) -> Path | None:
+def cached_hub_file(repo_id: str, filename: str) -> Path | None:
     """The hub file in the local Hugging Face cache (no network), or None."""
     try:
         from huggingface_hub import try_to_load_from_cache

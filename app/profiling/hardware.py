@@ -44,23 +44,31 @@ class ModelDims:
     num_layers: int
     intermediate_size: int
     vocab_size: int
+    num_params: int = 0
+    """0: the cost model estimates it from the other dimensions (CostModel.params)."""
 
 
 def model_dims(model: ModelConfig, tokenizer: str | TextTokenizer = "qwen") -> ModelDims:
-    """The cost model's dimensions: from the config where set, else from the model.
-
-    A tiny preset's come from its defaults (overridden by the config's fields; its vocabulary is the
-    tokenizer's, as the workers build it), a local directory's or hub id's from its HF config. They only
-    steer the plan's balance: a wrong value never changes the math of a step.
+    """The cost model's dimensions: the model's own config.json's, checked against the config's model.*
+    values (app/model/dims.py: a contradiction is a ConfigError); a tiny preset's are its defaults,
+    overridden by the config's fields, its vocabulary the tokenizer's (as the workers build it). Where
+    config.json cannot be read, the config's values (model.*, then model.offline_dims). They only steer the
+    plan's balance and memory: a wrong value never changes the math of a step.
     """
-    given = (model.hidden_size, model.kv_hidden_size, model.num_layers)
-    if all(given) and model.intermediate_size and model.vocab_size:
-        return ModelDims(*given, model.intermediate_size, model.vocab_size)
     if is_tiny_preset(model.name_or_path):
         return _tiny_dims(model, tokenizer)
-    if all(given):  # enough for the paper formula; the model formula falls back to 4h and Qwen's V
-        return ModelDims(*given, model.intermediate_size, model.vocab_size)
-    return _hf_dims(model)
+    from app.model.dims import resolved_model
+
+    resolved = resolved_model(model)
+    given = (resolved.hidden_size, resolved.kv_hidden_size, resolved.num_layers)
+    if not all(given):
+        raise ConfigError(
+            f"the cost model needs the model's dimensions and model.name_or_path={model.name_or_path!r} has "
+            "no readable config.json (not a local directory, not in the Hugging Face cache); set "
+            "model.offline_dims: {hidden_size, kv_hidden_size, num_layers, intermediate_size, vocab_size, "
+            "num_params} (e.g. Qwen2.5-0.5B: 896, 128, 24, 4864, 151936, 494032768), or run `train` once "
+            "with network access (it downloads config.json)")
+    return ModelDims(*given, resolved.intermediate_size, resolved.vocab_size, resolved.num_params)
 
 
 def _tiny_dims(model: ModelConfig, tokenizer: str | TextTokenizer) -> ModelDims:
@@ -74,27 +82,7 @@ def _tiny_dims(model: ModelConfig, tokenizer: str | TextTokenizer) -> ModelDims:
         vocab = vocab_size_of(tokenizer)
     return ModelDims(hidden, model.kv_hidden_size or kv_heads * (hidden // heads),
                      model.num_layers or TINY_DEFAULTS["num_layers"],
-                     model.intermediate_size or TINY_DEFAULTS["intermediate_size"], vocab)
-
-
-def _hf_dims(model: ModelConfig) -> ModelDims:
-    from transformers import AutoConfig
-
-    try:
-        hf = AutoConfig.from_pretrained(model.name_or_path)
-    except (OSError, ValueError) as err:
-        raise ConfigError(
-            f"the cost model needs the model's dimensions and model.name_or_path={model.name_or_path!r} has "
-            f"no readable config ({type(err).__name__}); set model.hidden_size, model.kv_hidden_size, "
-            "model.num_layers, model.intermediate_size and model.vocab_size (e.g. Qwen2.5-0.5B: 896, 128, "
-            "24, 4864, 151936)"
-        ) from None
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-    return ModelDims(model.hidden_size or hf.hidden_size, model.kv_hidden_size or kv_heads * head_dim,
-                     model.num_layers or hf.num_hidden_layers,
-                     model.intermediate_size or getattr(hf, "intermediate_size", 0),
-                     model.vocab_size or hf.vocab_size)
+                     model.intermediate_size or TINY_DEFAULTS["intermediate_size"], vocab, model.num_params)
 
 
 def cost_model_from_config(model: ModelConfig, hardware: HardwareConfig, *, formula: CostFormula = "paper",
@@ -104,14 +92,16 @@ def cost_model_from_config(model: ModelConfig, hardware: HardwareConfig, *, form
     The paper formula reads h, h_kv and L only, so it never loads the tokenizer for a tiny preset's
     vocabulary (its parameter estimate keeps Qwen's vocabulary unless model.vocab_size is set).
     """
-    if formula == "model":
+    if formula == "model" or not is_tiny_preset(model.name_or_path):
         dims = model_dims(model, tokenizer)
-    else:
+    else:  # a tiny preset's vocabulary would load the tokenizer: the paper formula does not read it
         dims = model_dims(dataclasses.replace(model, vocab_size=model.vocab_size or 1), tokenizer)
-        dims = dataclasses.replace(dims, intermediate_size=0, vocab_size=model.vocab_size)
+        dims = dataclasses.replace(dims, vocab_size=model.vocab_size)
+    if formula != "model":
+        dims = dataclasses.replace(dims, intermediate_size=0)
     return CostModel.from_model_dims(
         hidden_size=dims.hidden_size, kv_hidden_size=dims.kv_hidden_size, num_layers=dims.num_layers,
-        profile=load_hardware_profile(hardware.profile), num_params=model.num_params, formula=formula,
+        profile=load_hardware_profile(hardware.profile), num_params=dims.num_params, formula=formula,
         intermediate_size=dims.intermediate_size, vocab_size=dims.vocab_size)
 
 

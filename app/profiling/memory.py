@@ -23,6 +23,13 @@
              backward's gradients); per token from the model's shapes, for the kernel set the run uses
              (`kernels`: torch | liger) and the checkpointing setting
     safety   SAFETY_FRACTION of M: the headroom kept free of every modeled term
+    load     the peak while the model is built and its checkpoint read, before the first step (`load_peak`):
+               stage 3 (workers/sharded.py) device P*e/W + the largest module whole (built, or gathered
+                       for the random init: the gated MLP's 3*h*I, the attention's projections or the V x h
+                       embedding); host: the checkpoint tensor being read, mapped (V x h at most)
+               stages 1-2: device P*e, every rank's whole copy; host P*e per rank (from_pretrained and
+                       random init build it in host memory before it moves), x ranks per node
+             it fits when the device part leaves the safety margin free (the host part is reported only)
 
 `loss` and `activation_per_token` of MemoryTerms are the fixed and per-token bytes of the phase that holds
 the most at the run's C (the loss's chunk temporaries, or the LM head's gradient during the backward).
@@ -38,6 +45,7 @@ from app.config import ConfigError, SkrullConfig
 from app.profiling.activation import Checkpointing, PassMemory, Phase, kernel_set, model_shape, pass_memory
 from app.profiling.hardware import load_hardware_profile, model_dims
 from scheduling import CostModel, HardwareProfile, bucket_size_from_memory
+from workers.presets import is_tiny_preset
 
 SAFETY_FRACTION = 0.10
 """Share of the device memory kept free of the modeled terms (the headroom)."""
@@ -67,6 +75,8 @@ class MemoryTerms:
     activations: PassMemory
     bucket: int | None = None
     """The run's C when scheduling.bucket_size is set (None: auto, the derived C)."""
+    load: LoadPeak | None = None
+    """The peak while the model is built and loaded (load_peak)."""
 
     @property
     def static(self) -> float:
@@ -121,9 +131,16 @@ class MemoryTerms:
         """The peak at the run's C leaves at least the safety margin free."""
         return self.at_tokens >= 1 and self.headroom >= self.safety
 
+    @property
+    def load_fits(self) -> bool:
+        """The build-and-load peak leaves the safety margin of the device free."""
+        return self.load is None or self.load.device <= self.device - self.safety
+
     def as_json(self) -> dict[str, object]:
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "activations"}
-        return {**fields, "static": self.static, "loss": self.loss,
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in ("activations", "load")}
+        load = None if self.load is None else {**dataclasses.asdict(self.load), "fits": self.load_fits}
+        return {**fields, "load": load, "static": self.static, "loss": self.loss,
                 "activation_per_token": self.activation_per_token, "tokens": self.tokens,
                 "at_tokens": self.at_tokens, "peak_bytes": self.peak_bytes,
                 "activation_bytes": self.activation_per_token * self.at_tokens, "headroom": self.headroom,
@@ -138,6 +155,31 @@ class MemoryTerms:
               f"({SAFETY_FRACTION:.0%})")
         return (f"({gb}) / {self.activation_per_token / 1e3:.1f} KB per token (recompute: {self.recompute}, "
                 f"kernels: {self.kernels})")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPeak:
+    """Bytes one rank holds while its model is built and the checkpoint read (module docstring: load)."""
+
+    device: float
+    host: float
+    host_per_node: float
+    """`host` times the ranks on one node."""
+
+
+def load_peak(config: SkrullConfig, cost: CostModel, *, stage: int, workers: int, element: int,
+              ranks_per_node: int) -> LoadPeak:
+    """The module docstring's `load` term."""
+    params, h, vocab = float(cost.params), cost.hidden_size, cost.vocab
+    if stage < 3:
+        whole = params * element
+        return LoadPeak(device=whole, host=whole, host_per_node=whole * ranks_per_node)
+    attention = 2 * h * h + 2 * h * cost.kv_hidden_size
+    largest = max(3 * h * cost.mlp_size, attention, vocab * h) * element
+    reads = not (config.model.random_init or is_tiny_preset(config.model.name_or_path))
+    host = vocab * h * element if reads else 0.0
+    return LoadPeak(device=params * element / workers + largest, host=host,
+                    host_per_node=host * ranks_per_node)
 
 
 def trainable_params(config: SkrullConfig, cost: CostModel) -> float:
@@ -196,7 +238,7 @@ def memory_terms(config: SkrullConfig, *, zero_stage: int | None = None, offload
     dims = model_dims(config.model, config.data.tokenizer)
     cost = CostModel.from_model_dims(hidden_size=dims.hidden_size, kv_hidden_size=dims.kv_hidden_size,
                                      num_layers=dims.num_layers, profile=profile,
-                                     num_params=config.model.num_params, formula="model",
+                                     num_params=dims.num_params, formula="model",
                                      intermediate_size=dims.intermediate_size, vocab_size=dims.vocab_size)
     stage = config.train.zero_stage if zero_stage is None else zero_stage
     on_gpu = config.resources.gpus_per_worker > 0
@@ -218,10 +260,12 @@ def memory_terms(config: SkrullConfig, *, zero_stage: int | None = None, offload
     activations = pass_memory(model_shape(config), kernel_set(kernels), setting,
                               config.train.loss_chunk_tokens)
     size = config.scheduling.bucket_size
+    load = load_peak(config, cost, stage=stage, workers=workers, element=element,
+                     ranks_per_node=min(workers, profile.gpus_per_node) if on_gpu else workers)
     return MemoryTerms(zero_stage=stage, workers=workers, device=device, weights=weights, gradients=gradients,
                        optimizer=trainable * 12 / workers, runtime=profile.runtime_memory_bytes,
                        safety=SAFETY_FRACTION * device, recompute=setting.name, kernels=kernels,
-                       activations=activations, bucket=None if size == "auto" else int(size))
+                       activations=activations, bucket=None if size == "auto" else int(size), load=load)
 
 
 def memory_table(config: SkrullConfig, *, kernels: str | None = None) -> dict[str, MemoryTerms]:
@@ -243,12 +287,20 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 def format_memory_table(table: dict[str, MemoryTerms]) -> str:
     """The table `plan` prints (GB per rank, modeled): each setting's terms, the C it leaves and its peak."""
-    header = ("setting", "weights", "grads", "optimizer", "loss", "static", "KB/token", "C tokens", "peak GB")
+    header = ("setting", "weights", "grads", "optimizer", "loss", "static", "KB/token", "C tokens", "peak GB",
+              "load GB", "load host GB/node")
     return _table(header, [
         (f"ZeRO-{t.zero_stage}, recompute {t.recompute}", f"{t.weights / GB:.1f}", f"{t.gradients / GB:.1f}",
          f"{t.optimizer / GB:.1f}", f"{t.loss / GB:.1f}", f"{t.static / GB:.1f}",
          f"{t.activation_per_token / 1e3:.1f}", f"{t.tokens:,}" if t.tokens else "does not fit",
-         f"{t.peak_bytes / GB:.1f}") for t in table.values()])
+         f"{t.peak_bytes / GB:.1f}", _load_cell(t), f"{t.load.host_per_node / GB:.1f}" if t.load else "-")
+        for t in table.values()])
+
+
+def _load_cell(terms: MemoryTerms) -> str:
+    if terms.load is None:
+        return "-"
+    return f"{terms.load.device / GB:.1f}" + ("" if terms.load_fits else " (does not fit)")
 
 
 def format_terms(terms: MemoryTerms) -> str:
@@ -258,6 +310,8 @@ def format_terms(terms: MemoryTerms) -> str:
             (f"activations at C = {terms.at_tokens:,} ({terms.activation_per_token / 1e3:.1f} KB/token)",
              terms.activation_per_token * terms.at_tokens),
             ("runtime (hardware.profile)", terms.runtime), ("peak", terms.peak_bytes),
+            *([("load: build + checkpoint read (before step 1)", terms.load.device),
+               ("load: host memory per rank", terms.load.host)] if terms.load else []),
             (f"headroom (>= {SAFETY_FRACTION:.0%} safety kept free)", terms.headroom),
             ("device", terms.device)]
     return _table(("term", "GB"), [(name, f"{value / GB:.2f}") for name, value in rows])

@@ -9,7 +9,7 @@ One MLflow run per Skrull run: named run.name, in the experiment $MLFLOW_EXPERIM
 step's numeric metrics (the same scalars as TensorBoard, app/sinks/tensorboard.py) with the step as x axis.
 The run id is kept in <run_dir>/mlflow_run.json, so a resumed run continues the same MLflow run (same
 tracking URI and the run still there; otherwise it starts a new one). mlflow is imported lazily: it is the
-optional extra `skrull-on-ray[mlflow]` (mlflow-skinny), checked at preflight (check_mlflow).
+project's optional `mlflow` extra (mlflow-skinny), checked at preflight (check_mlflow).
 
 A tracking server that fails mid-run does not stop training: the first failed write prints one warning
 and the sink turns itself off (the run's metrics.jsonl and TensorBoard files still have every step).
@@ -38,7 +38,7 @@ def check_mlflow(uri: str) -> None:
     """Preflight: a set train.mlflow_uri needs mlflow importable (ConfigError naming the key and extra)."""
     if uri and importlib.util.find_spec("mlflow") is None:
         raise ConfigError(f"train.mlflow_uri={uri!r} is set but mlflow is not installed; install the extra "
-                          "(pip install 'skrull-on-ray[mlflow]') or unset train.mlflow_uri")
+                          "(pip install -e '.[mlflow]' in the checkout) or unset train.mlflow_uri")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -20,7 +20,7 @@ metrics.jsonl keeps both. (Chosen over a custom step metric so W&B's default x a
 
 Never a prompt, never captured output: online without credentials (WANDB_API_KEY, `wandb login`) is refused
 before wandb.init could ask for a key, and console capture is off. wandb is imported lazily: it is the
-optional extra `skrull-on-ray[wandb]`, checked at preflight (check_wandb). A project W&B refuses (bad key,
+project's optional `wandb` extra, checked at preflight (check_wandb). A project W&B refuses (bad key,
 no such entity, no network) is a ConfigError before the workers start; a W&B failure mid-run does not stop
 training: the first failed write prints one warning and the sink turns itself off.
 """
@@ -47,7 +47,7 @@ def check_wandb(project: str) -> None:
     """Preflight: a set train.wandb_project needs wandb importable (ConfigError naming the key and extra)."""
     if project and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"train.wandb_project={project!r} is set but wandb is not installed; install the "
-                          "extra (pip install 'skrull-on-ray[wandb]') or unset train.wandb_project")
+                          "extra (pip install -e '.[wandb]' in the checkout) or unset train.wandb_project")
 
 
 def new_run_id() -> str:

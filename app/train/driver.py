@@ -36,9 +36,9 @@ from app.train.components import (
 )
 from app.train.console import run_console
 from app.train.dataset import prepared_data
-from app.train.failures import one_line_failures
+from app.train.failures import one_line_failures, stop_reason
 from app.train.fit import fit_with_progress
-from app.train.preflight import preflight
+from app.train.preflight import check_model_source, preflight
 from app.train.signals import RunInterrupted, Terminated, sigterm_stops_like_ctrl_c
 from workers.storage import pull_mirror
 
@@ -60,6 +60,8 @@ class TrainSummary:
     """The checkpoint step this call resumed from (None: a fresh run)."""
     restarts: int
     """Worker-group restarts during this call (worker failures, planner failures, elastic resizes)."""
+    export: str | None
+    """<run_dir>/hf/, the trained model as a Hugging Face directory (train.export_on_finish), or None."""
     history: list[dict[str, float]]
     """Every step's reported metrics (loss, tokens_per_s, step_s, planner_wait_s, ...), in step order."""
 
@@ -88,6 +90,7 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     Ctrl-C and SIGTERM stop the call alike (RunInterrupted). The run's lock (app/rundir/lock.py) is held
     from before its first write to the end: a second call on the same run stops with RunLocked.
     """
+    check_model_source(config.model)  # a hub id's config.json into the local cache: the dimensions' source
     config = _with_bucket_size(config, out)
     name = run_name(config)
     try:
@@ -101,9 +104,16 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
 
 def _with_bucket_size(config: SkrullConfig, out: TextIO | None) -> SkrullConfig:
     """train.activation_checkpointing=auto chosen by the planner (app/profiling/checkpointing.py) and
-    scheduling.bucket_size=auto derived from memory (app/profiling/memory.py), each said once in a line."""
+    scheduling.bucket_size=auto derived from memory (app/profiling/memory.py), each said once in a line,
+    over the model's own dimensions (app/model/dims.py: from its config.json, a model.* value it
+    contradicts a ConfigError; where none can be read, the config's, said in a line)."""
+    from app.model.dims import dims_note, resolved_model
     from app.profiling.budget import resolve_bucket_size
 
+    resolved_model(config.model)
+    note = dims_note(config.model)
+    if note:
+        print(note, file=out or sys.stderr, flush=True)
     resolved, budget = resolve_bucket_size(config)
     if budget.checkpointing is not None:
         print(budget.checkpointing.line(), file=out or sys.stderr, flush=True)
@@ -142,12 +152,21 @@ def _run(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
     history = sorted({h["step"]: h for h in reports}.values(), key=lambda h: h["step"])
     total_time = sum(h["step_s"] for h in history)
     resumed = int(starts[0]["resumed_from_step"]) if starts else int(reports[0]["resumed_from_step"])
+    export = None
+    if config.train.export_on_finish and not stop_reason(history):  # the workers streamed the weights of
+        # the last step (a stopped run has none): the driver adds the rest and publishes them as hf/
+        from app.model.export import publish_export
+
+        export = publish_export(config, str(run_location_of(config, name)), step=int(history[-1]["step"]),
+                                template=data.chat_template_text, tokenizer=data.tokenizer)
+        print(f"the trained model: {export} (AutoModelForCausalLM.from_pretrained"
+              f"{'; a peft adapter' if config.model.lora.r else ''})", file=out, flush=True)
     return TrainSummary(
         steps=len(history), samples=sum(int(h["samples"]) for h in history),
         tokens=sum(int(h["tokens"]) for h in history), loss_first=history[0]["loss"],
         loss_last=history[-1]["loss"], tokens_per_s=sum(h["tokens"] for h in history) / max(total_time, 1e-9),
         checkpoint=checkpoint, run_dir=str(run_location_of(config, name)), resumed_from_step=resumed or None,
-        restarts=max(len(starts) - 1, 0), history=[dict(h) for h in history],
+        restarts=max(len(starts) - 1, 0), export=export, history=[dict(h) for h in history],
     )
 
 

@@ -68,6 +68,7 @@ def preflight(config: SkrullConfig) -> ResolvedData:
     settings and the data fingerprints), which the driver hands on, so none of it is resolved twice.
     """
     from app.data.resolved import resolve_data
+    from app.model.dims import resolved_model
     from app.model.support import check_model_support
     from app.profiling.hardware import load_hardware_profile
     from app.sinks.mlflow import check_mlflow
@@ -77,6 +78,7 @@ def preflight(config: SkrullConfig) -> ResolvedData:
     check_mlflow(config.train.mlflow_uri)
     check_wandb(config.train.wandb_project)
     check_model_source(config.model)
+    resolved_model(config.model)  # a model.* dimension its config.json contradicts (app/model/dims.py)
     check_eval_every(config)
     check_kernels(config)
     data = resolve_data(config.data, max_length=config.max_sequence_length)

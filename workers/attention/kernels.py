@@ -225,14 +225,15 @@ def flash_attn_interface() -> Any:
         reason = "is not installed" if missing else f"does not import ({type(err).__name__}: {err})"
         raise ImportError(
             f"flash-attn {reason}: the 'flash' attention backend needs it on a CUDA machine "
-            f"(pip install 'skrull-on-ray[gpu]'), or use 'auto' / 'torch-flash'"
+            f"(pip install --no-build-isolation -e '.[gpu]' in the checkout), or use 'auto' / 'torch-flash'"
         ) from err
     params = flash_backward_parameters(fai)
     problems = flash_backward_mismatch(params) if params is not None else []
     if problems:
         raise ImportError(f"the installed flash-attn's _flash_attn_varlen_backward does not match "
                           f"our call ({'; '.join(problems)}): install "
-                          f"flash-attn{FLASH_ATTN_VERSIONS} (pip install 'skrull-on-ray[gpu]')")
+                          f"flash-attn{FLASH_ATTN_VERSIONS} (pip install --no-build-isolation -e '.[gpu]' in "
+                          "the checkout)")
     return fai
 
 
