@@ -14,14 +14,13 @@ here against that reading, written out.
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from app.profiling.activation import Checkpointing, kernel_set, pass_memory, shape_from_hf
+from tests.plan_json import plan_json
 
 HIDDEN, HEADS, KV_HEADS, INTER, LAYERS, VOCAB = 64, 4, 2, 176, 3, 256
 TOKENS, LOSS_CHUNK = (256, 512), 128
@@ -111,33 +110,25 @@ def test_the_liger_set_keeps_what_its_source_saves() -> None:
     assert off.kept_per_token < pass_memory(shape, kernel_set("torch"), Checkpointing(0), 4096).kept_per_token
 
 
-def _plan_json(capsys, config: str, *overrides: str) -> dict:
-    from app.commands import plan
-
-    parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
-    argv = ["--config", config, "--json", *[a for o in overrides for a in ("--set", o)]]
-    assert plan.run(parser.parse_args(argv)) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def test_the_05b_shape_matches_the_h200_measurements(capsys) -> None:
     """Issue 54, one H200: without checkpointing 1.43 MB per token ((99.57 - 9.09 static - 5.52 loss) GB over
     the run's 59,504-token micro-batch); every layer recomputed, 17.80 GB peak at C = 16,384 and 19.25 GB at
     C = 65,536. The per-token term within 10%, the predicted peaks within [0, +15%]."""
-    off = _plan_json(capsys, GPU_05B, *H200_RUN, "train.activation_checkpointing=false",
+    off = plan_json(capsys, GPU_05B, *H200_RUN, "train.activation_checkpointing=false",
                      "scheduling.bucket_size=65536")
     assert off["checkpointing"] == {"setting": "off", "source": "config"}
     assert off["memory"]["zero2"]["activation_per_token"] == pytest.approx(1.43e6, rel=0.10)
     for bucket, measured in ((16384, 17.80e9), (65536, 19.25e9)):
-        out = _plan_json(capsys, GPU_05B, *H200_RUN, "train.activation_checkpointing=true",
+        out = plan_json(capsys, GPU_05B, *H200_RUN, "train.activation_checkpointing=true",
                          f"scheduling.bucket_size={bucket}")
         predicted = out["memory"]["zero2"]["peak_bytes"]
         assert measured <= predicted <= 1.15 * measured, (bucket, predicted / 1e9)
 
 
 def test_auto_picks_the_fastest_candidate_that_fits_and_plan_shows_them(capsys) -> None:
-    out = _plan_json(capsys, GPU_05B, "data.source=synthetic", "plan.num_batches=2")
+    out = plan_json(capsys, GPU_05B, "data.source=synthetic", "plan.num_batches=2")
     choice = out["checkpointing"]
     assert choice["source"] == "auto"
     assert out["bucket_size"] == choice["tokens"] == out["memory_terms"]["tokens"]
@@ -149,7 +140,7 @@ def test_auto_picks_the_fastest_candidate_that_fits_and_plan_shows_them(capsys) 
     # more recompute: a larger C, and a slower modeled step at the same C
     tokens = [candidates[k]["tokens"] for k in ("off", "every 2nd layer", "every layer")]
     assert tokens == sorted(tokens) and len(set(tokens)) == 3
-    fixed = _plan_json(capsys, GPU_05B, "data.source=synthetic", "plan.num_batches=2",
+    fixed = plan_json(capsys, GPU_05B, "data.source=synthetic", "plan.num_batches=2",
                        "scheduling.bucket_size=8192")
     steps = [c["modeled_step_s"] for c in fixed["checkpointing"]["candidates"]]  # off, every 8th, ..., every
     assert steps == sorted(steps) and fixed["checkpointing"]["setting"] == "off"
@@ -157,7 +148,7 @@ def test_auto_picks_the_fastest_candidate_that_fits_and_plan_shows_them(capsys) 
 
 @pytest.mark.parametrize("path", sorted(str(p) for p in Path("configs/paper").glob("*.yaml")))
 def test_the_paper_configs_plan_with_a_choice_that_fits_with_its_headroom(capsys, path: str) -> None:
-    out = _plan_json(capsys, path, "plan.num_batches=1")
+    out = plan_json(capsys, path, "plan.num_batches=1")
     choice = out["checkpointing"]
     chosen = next(c for c in choice["candidates"] if c["setting"] == choice["setting"])
     terms = out["memory_terms"]

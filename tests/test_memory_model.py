@@ -11,7 +11,6 @@ accounting in tests/test_activation_memory.py.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import pytest
@@ -20,6 +19,7 @@ from app.commands import plan
 from app.config import ConfigError, load_config
 from app.profiling.budget import bucket_budget, resolve_bucket_size
 from app.profiling.memory import SAFETY_FRACTION, memory_terms
+from tests.plan_json import plan_json
 
 GPU_7B = "configs/qwen2.5-7b-gpu.yaml"
 P, H, HKV, L, I, V = 7_615_616_512, 3584, 512, 28, 18944, 152_064
@@ -30,12 +30,6 @@ RUNTIME = 2.5e9
 """configs/hardware/h100.yaml's runtime_memory_bytes."""
 
 
-def _plan_json(capsys, config: str, *overrides: str) -> dict:
-    parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
-    argv = ["--config", config, "--json", *[a for o in overrides for a in ("--set", o)]]
-    assert plan.run(parser.parse_args(argv)) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def _layer_saved() -> float:
@@ -126,7 +120,7 @@ def test_auto_with_nothing_left_is_an_error_naming_the_knobs() -> None:
 @pytest.mark.parametrize("config", ["configs/qwen2.5-32b-gpu.yaml", "configs/qwen2.5-72b-gpu.yaml"])
 def test_plan_of_the_32b_and_72b_configs_shows_c_step_times_and_memory_at_both_stages(capsys,
                                                                                      config: str) -> None:
-    out = _plan_json(capsys, config, "plan.num_batches=1")
+    out = plan_json(capsys, config, "plan.num_batches=1")
     assert out["bucket_size_source"] == "memory" and out["bucket_size"] > 1000
     assert out["policies"]["skrull"]["modeled_step_s"] > 0
     memory = out["memory"]
@@ -153,7 +147,7 @@ def test_plan_of_the_32b_and_72b_configs_shows_c_step_times_and_memory_at_both_s
 
 
 def test_plan_of_a_config_with_a_set_bucket_says_so(capsys) -> None:
-    out = _plan_json(capsys, GPU_7B, *SYNTHETIC, "scheduling.bucket_size=13000")
+    out = plan_json(capsys, GPU_7B, *SYNTHETIC, "scheduling.bucket_size=13000")
     assert (out["bucket_size"], out["bucket_size_source"]) == (13000, "config")
     assert out["memory"]["zero2"]["at_tokens"] == 13000
     parser = argparse.ArgumentParser()
