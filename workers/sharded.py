@@ -141,7 +141,10 @@ def copy_partition(reader: Any, key: str, param: torch.nn.Parameter) -> int:
     """Read the rows of tensor `key` that cover this rank's partition of `param` and copy them in (cast to
     the parameter's dtype); returns the elements copied."""
     if getattr(param, "ds_secondary_tensor", None) is not None:
-        raise NotImplementedError("ZeRO++ secondary partitions (zero_hpz_partition_size) are not loaded here")
+        # The product's DeepSpeed JSON (app/model/deepspeed_config.py) never asks for ZeRO++'s hierarchical
+        # partitions; a hand-made JSON that does is refused rather than loaded into half its copies.
+        raise ValueError("ZeRO++ secondary partitions (zero_hpz_partition_size) cannot be loaded shard by "
+                         "shard: remove zero_hpz_partition_size from the DeepSpeed config")
     start, end = partition_range(param)
     partition = param.ds_tensor.data
     partition[end - start:].zero_()
