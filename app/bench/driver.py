@@ -107,7 +107,7 @@ def bench_train(config: SkrullConfig, policies: Sequence[str], steps: int, *, pr
     names = check_policies(policies)
     check_bench_config(config, steps)
     data = preflight(config)
-    name = f"bench-train-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    name = f"bench-train-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(4)}"
     run_dir = run_directory(config, name)
     machine = machine_info()
     started = time.perf_counter()

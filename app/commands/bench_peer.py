@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         args.overrides = [*args.overrides, *CUDA_SETS]
     config = config_from_args(args)
     check_arguments(args, config)
-    stamp = f"{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    stamp = f"{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(4)}"
     out_dir = Path(config.run.storage_path) / f"bench-peer-{stamp}"
     out_dir.mkdir(parents=True)
     load_start, started = _load(), time.perf_counter()

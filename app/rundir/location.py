@@ -19,8 +19,9 @@ from workers.storage import Location, is_remote, redact_text, redact_uri
 
 
 def run_name(config: SkrullConfig) -> str:
-    """run.name, or a fresh unique name when it is empty (timestamp plus a random suffix)."""
-    return config.run.name or f"skrull-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    """run.name, or a fresh unique name when it is empty: the timestamp plus 32 random bits, so runs that a
+    sweep starts within one second do not collide."""
+    return config.run.name or f"skrull-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(4)}"
 
 
 def run_storage(config: SkrullConfig, name: str) -> Location:
