@@ -307,7 +307,9 @@ stage_speed_step() {
   speed_sets --set data.num_samples=$((64 * (SPEED_STEPS + 1))) --set scheduling.bucket_size=16384 \
     --set hardware.profile=h100
   for v in "${variants[@]}"; do SETS+=(--variant "$v"); done
-  run_json speed_step "$py" -m app bench step "${SETS[@]}" --steps "$SPEED_STEPS" --warmup 1 --json
+  # --max-seconds inside the part's time box: a matrix that runs long reports the steps it measured
+  run_json speed_step "$py" -m app bench step "${SETS[@]}" --steps "$SPEED_STEPS" --warmup 1 \
+    --max-seconds "${SPEED_STEP_BUDGET_S:-195}" --json
 }
 stage_speed_peer() {
   need_cuda
@@ -337,7 +339,7 @@ stage_speed() {
   touch "$OUT/speed_parts.txt"
   # In the order of what matters most: a device call of 10 minutes may end before the last parts. The
   # train stage as written (C = 16384) is `gpu_check.sh train` (or SKRULL_GPU_CHECK_SPEED_PARTS=...,train).
-  part step 240 speed_step
+  part step 240 speed_step SPEED_STEP_BUDGET_S=195
   part profile 120 profile
   # The train stage's run with the config's defaults (C and checkpointing from memory, on this GPU's
   # profile when `profile` wrote one): the same rows, cut at the train stage's 16384 tokens, so that the

@@ -27,9 +27,11 @@ def test_a_variant_is_a_name_and_overrides() -> None:
             parse_variant(bad)
 
 
-def _bench_step(rank: int, world: int, argv: list[str], broken: str = "") -> tuple[int, dict]:
+def _bench_step(rank: int, world: int, argv: list[str], broken: str = "",
+                stop_after: int = 0) -> tuple[int, dict]:
     """`python -m app bench step ARGV --json` in a rank of its own (DeepSpeed keeps process-wide group state
-    between engines: a process per run, as the command is); `broken`: a variant whose engine build raises."""
+    between engines: a process per run, as the command is); `broken`: a variant whose engine build raises;
+    `stop_after`: --max-seconds counts as reached once that many steps were timed (a clock the test owns)."""
     import contextlib
     import io
 
@@ -44,6 +46,10 @@ def _bench_step(rank: int, world: int, argv: list[str], broken: str = "") -> tup
         return build(variant, device, seed)
 
     step_bench._build = failing
+    if stop_after:
+        timed, step = [], step_bench._timed_step
+        step_bench._timed_step = lambda *args: timed.append(1) or step(*args)
+        step_bench._Budget.spent = lambda self: self.max_seconds is not None and len(timed) >= stop_after
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(["bench", "step", *TINY, *argv, "--json"])
@@ -59,6 +65,7 @@ def test_bench_step_json_on_the_tiny_config(tmp_path: Path) -> None:
          "--steps", "2", "--trace", str(tmp_path / "trace")],), backend="gloo")
     assert code == 0
     assert result["device"].endswith("threads") and result["steps"] == 2 and result["warmup_steps"] == 1
+    assert result["stopped_early"] is None
     assert set(result["variants"]) == set(result["speedup_vs_first"]) == {"today", "fused"}
     assert result["speedup_vs_first"]["today"] == 1.0 and result["speedup_vs_first"]["fused"] > 0
     for name, variant in result["variants"].items():
@@ -76,15 +83,19 @@ def test_bench_step_json_on_the_tiny_config(tmp_path: Path) -> None:
     assert fused["losses"] == pytest.approx(today["losses"], rel=1e-5)
 
 
-def test_a_variant_that_fails_leaves_the_others_measured() -> None:
+def test_a_variant_that_fails_leaves_the_others_measured_and_a_time_box_reports_what_it_measured() -> None:
     """One variant that cannot run (here its engine build raises, as a kernel the machine lacks would) is
-    reported with its error and the command exits 1; the other variants are still measured."""
+    reported with its error and the command exits 1; the other variants are still measured. A run that
+    reaches --max-seconds (here after the warm-up step and one counted step of 3) reports the step it
+    counted, says it stopped early, and exits 1."""
     from workers.tools.launch import run_workers
 
     ((code, result),) = run_workers(_bench_step, 1, args=(
         ["--variant", "ok:train.optimizer_impl=fused", "--variant", "broken:train.optimizer_impl=foreach",
-         "--steps", "1"], "broken"), backend="gloo")
+         "--steps", "3", "--max-seconds", "3600"], "broken", 2), backend="gloo")
     assert code == 1
     assert result["variants"]["broken"]["error"] == "RuntimeError: no such kernel here"
-    assert result["variants"]["ok"]["tokens_per_s"] > 0
+    ok = result["variants"]["ok"]
+    assert ok["tokens_per_s"] > 0 and ok["counted_steps"] == 1 and len(ok["losses"]) == 2
+    assert result["stopped_early"] == "--max-seconds 3600 reached"
     assert result["speedup_vs_first"] == {"ok": 1.0, "broken": None}

@@ -273,6 +273,7 @@ def test_the_speed_stage_runs_its_bench_step_matrix_on_cpu(tmp_path: Path) -> No
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     command = next(line for line in result.stdout.splitlines() if line.startswith("== "))
     assert " -m app bench step --config configs/qwen2.5-0.5b-gpu.yaml " in command
+    assert command.endswith("--max-seconds 195 --json")  # inside the part's 240 s time box
     assert "--set model.hidden_size=896" in command and "--set scheduling.bucket_size=16384" in command
     speed = json.loads((tmp_path / "out" / "speed.json").read_text())
     assert speed["parts"]["step"]["exit"] == 0 and set(speed["parts"]) == {"step"}
@@ -280,6 +281,6 @@ def test_the_speed_stage_runs_its_bench_step_matrix_on_cpu(tmp_path: Path) -> No
     assert set(step["variants"]) == {"today", "device_step"}
     assert step["variants"]["device_step"]["optimizer"] == "fused AdamW, device step"
     assert step["variants"]["today"]["optimizer"] == "foreach AdamW, DeepSpeed step"
-    assert step["speedup_vs_first"]["today"] == 1.0
+    assert step["speedup_vs_first"]["today"] == 1.0 and step["stopped_early"] is None
     losses = [step["variants"][name]["losses"] for name in ("today", "device_step")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)  # the same global batches, the same math

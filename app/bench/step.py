@@ -11,7 +11,9 @@
        steps of the first variant's step time over this one's (the same global batch in the same round).
 
 Variants that change the length limit (bucket_size) tokenize the data at their own limit; the rows stay the
-same rows. The first `warmup` steps are run and reported (`warmup_steps`) but not counted.
+same rows. The first `warmup` steps are run and reported (`warmup_steps`) but not counted. With
+`max_seconds` no build or step starts past it: each variant is summarized over the steps it counted
+(`counted_steps`), `stopped_early` says why, and a variant without a counted step is an error.
 """
 
 from __future__ import annotations
@@ -148,7 +150,11 @@ def summarize(name: str, config: SkrullConfig, result: dict[str, Any], payloads:
                 "compile": config.train.compile, "kernels": config.model.kernels,
                 "predicted_peak_bytes": predicted_peak_bytes(config)}
     readings = result["readings"][warmup:]
-    counted = payloads[warmup:]
+    if not readings:
+        return {"error": "stopped before its first counted step",
+                "bucket_size": config.scheduling.bucket_size,
+                "predicted_peak_bytes": predicted_peak_bytes(config)}
+    counted = payloads[warmup:warmup + len(readings)]
     seconds = sum(r.step_s for r in readings)
     tokens = sum(p.global_tokens for p in counted)
     at_peak = sum(p.flops_at_peak_s for p in counted)
@@ -158,7 +164,7 @@ def summarize(name: str, config: SkrullConfig, result: dict[str, Any], payloads:
         "tokens_per_s": tokens / seconds, "mfu": at_peak / seconds,
         "step_s": mean(r.step_s for r in readings), "micro_batch_s": mean(r.micro_batch_s for r in readings),
         "optimizer_s": mean(r.optimizer_s for r in readings), "gap_s": mean(r.gap_s for r in readings),
-        "micro_batches": mean(r.micro_batches for r in readings),
+        "micro_batches": mean(r.micro_batches for r in readings), "counted_steps": len(readings),
         "peak_bytes": max(peaks) if peaks else None, "predicted_peak_bytes": predicted_peak_bytes(config),
         "bucket_size": config.scheduling.bucket_size, "kernels": result["kernels"],
         "optimizer": result["optimizer"], "compile": config.train.compile,
@@ -170,18 +176,19 @@ def summarize(name: str, config: SkrullConfig, result: dict[str, Any], payloads:
 
 
 def speedups(summaries: dict[str, dict[str, Any]], warmup: int) -> dict[str, float | None]:
-    """Per variant: median over counted steps of (first variant's step time / its own), same batches (None
-    where either failed)."""
+    """Per variant: median over the counted steps both ran (a run stopped early may end a variant one step
+    short) of (first variant's step time / its own), same batches (None where either failed)."""
     first = next(iter(summaries.values())).get("step_times")
     if first is None:
         return dict.fromkeys(summaries)
     return {name: statistics.median(a / b for a, b in zip(first[warmup:], s["step_times"][warmup:],
-                                                          strict=True)) if "step_times" in s else None
+                                                          strict=False)) if "step_times" in s else None
             for name, s in summaries.items()}
 
 
 def run_bench_step(config_path: str | None, sets: list[str], variants: list[Variant], *, steps: int,
-                   warmup: int, trace_dir: str | None = None) -> dict[str, Any]:
+                   warmup: int, trace_dir: str | None = None, max_seconds: float | None = None
+                   ) -> dict[str, Any]:
     """The whole measurement (module docstring) -> the --json object."""
     import torch
 
@@ -190,16 +197,20 @@ def run_bench_step(config_path: str | None, sets: list[str], variants: list[Vari
 
     if steps < 1 or warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
+    if max_seconds is not None and max_seconds <= 0:
+        raise ConfigError(f"--max-seconds must be > 0, got {max_seconds:g}")
     use_expandable_segments()  # before the first CUDA allocation, as a train worker does
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     configs = variant_configs(config_path, sets, variants, on_gpu)
     payloads = {name: step_payloads(config, warmup + steps) for name, config in configs}
     built = [step_variant(name, config, payloads[name], on_gpu) for name, config in configs]
-    results = bench_steps(built, device=device, seed=configs[0][1].train.seed, trace_dir=trace_dir)
-    summaries = {name: summarize(name, config, results[name], payloads[name], warmup)
+    measured = bench_steps(built, device=device, seed=configs[0][1].train.seed, trace_dir=trace_dir,
+                           max_seconds=max_seconds)
+    summaries = {name: summarize(name, config, measured["variants"][name], payloads[name], warmup)
                  for name, config in configs}
     return {"device": _device_name(device), "steps": steps, "warmup_steps": warmup,
+            "stopped_early": measured["stopped_early"],
             "tokens_per_step": [p.global_tokens for p in next(iter(payloads.values()))],
             "variants": summaries, "speedup_vs_first": speedups(summaries, warmup),
             "overrides": {name: list(v.overrides) for name, v in

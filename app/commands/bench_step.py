@@ -2,11 +2,12 @@
 interleaved on one device (CUDA when present, else CPU) without Ray (app/bench/step.py).
 
     python -m app bench step --config configs/tiny-cpu.yaml --variant today:train.optimizer_impl=auto \\
-        --variant fused:train.optimizer_impl=fused,train.compile=true [--steps 8] [--trace DIR] [--json]
+        --variant fused:train.optimizer_impl=fused,train.compile=true [--steps 8] [--trace DIR] \\
+        [--max-seconds S] [--json]
 
 --json prints one line: {"device", "variants": {NAME: {"tokens_per_s", "mfu", "micro_batch_s", "optimizer_s",
-"gap_s", "peak_bytes", "predicted_peak_bytes", ...}}, "speedup_vs_first": {NAME: ratio}} (the first variant
-is the reference).
+"gap_s", "peak_bytes", "predicted_peak_bytes", ...}}, "speedup_vs_first": {NAME: ratio}, "stopped_early"}
+(the first variant is the reference; stopped_early: null, or why --max-seconds ended the run).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="one more step per variant under torch.profiler: DIR/<variant>.json (Chrome "
                              "trace) and the 15 ops with the most self time")
+    parser.add_argument("--max-seconds", type=float, default=None, metavar="S",
+                        help="start no build or step after S seconds (builds included); report the steps "
+                             "measured so far, say so (stopped_early) and exit 1")
 
 
 def _gb(value: float | None) -> str:
@@ -43,6 +47,8 @@ def _print(result: dict) -> None:
     print(f"bench step on {result['device']}: {result['steps']} counted steps per variant (after "
           f"{result['warmup_steps']} warm-up), interleaved; tokens per step "
           f"{result['tokens_per_step'][result['warmup_steps']]:,} ...")
+    if result["stopped_early"]:
+        print(f"stopped early: {result['stopped_early']} (each variant over the steps it counted)")
     header = (f"{'variant':<14} {'tokens/s':>10} {'MFU':>6} {'step s':>8} {'micro-b s':>9} {'optim s':>8} "
               f"{'gap s':>7} {'mb/step':>7} {'peak':>9} {'model':>9} {'vs first':>8}")
     print(header)
@@ -68,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
 
     variants = [parse_variant(text) for text in args.variant]
     result = run_bench_step(args.config, args.overrides, variants, steps=args.steps, warmup=args.warmup,
-                            trace_dir=args.trace)
+                            trace_dir=args.trace, max_seconds=args.max_seconds)
     if args.json:
         print(json.dumps(result))
     else:
         _print(result)
-    return 1 if any("error" in v for v in result["variants"].values()) else 0
+    failed = any("error" in v for v in result["variants"].values())
+    return 1 if failed or result["stopped_early"] else 0

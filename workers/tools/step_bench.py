@@ -7,6 +7,7 @@
             activate its kernel set; synchronize; run_step(sync=True)        (the training step itself)
             -> step_s (wall), laps (micro-batch busy time, optimizer), loss, peak memory
     --trace: one more step per variant under torch.profiler -> <dir>/<variant>.json + its 15 top ops
+    --max-seconds: no build or step starts past it; what was measured is returned (stopped_early says so)
 
 What a step's time splits into (StepReading):
     micro_batch_s  sum over micro-batches of the device's time from each one's first kernel to the end of its
@@ -83,21 +84,31 @@ class _Live:
 
 
 def bench_steps(variants: list[StepVariant], *, device: torch.device, seed: int = 0,
-                trace_dir: str | None = None) -> dict[str, Any]:
+                trace_dir: str | None = None, max_seconds: float | None = None) -> dict[str, Any]:
     """Every variant's StepReadings (interleaved, module docstring), its kernel set and, with `trace_dir`,
-    its top ops; initializes (and destroys) a one-rank process group unless one exists."""
+    its top ops; initializes (and destroys) a one-rank process group unless one exists.
+
+    `max_seconds` (builds included): no build or step starts after it, and the readings so far are returned
+    under "variants" with "stopped_early" saying why (a time-boxed run reports what it measured instead of
+    being killed with nothing)."""
     owns_group = not dist.is_initialized()
     if owns_group:
         _init_single_rank(device)
     for name, value in (("RANK", dist.get_rank()), ("WORLD_SIZE", dist.get_world_size()), ("LOCAL_RANK", 0)):
         os.environ.setdefault(name, str(value))  # DeepSpeed reads them, as a launcher would have set them
     failed: dict[str, str] = {}
+    clock = _Budget(max_seconds)
     try:
-        live = [entry for v in variants if (entry := _guarded(failed, v.name, _build, v, device, seed))]
+        live = [entry for v in variants
+                if not clock.spent() and (entry := _guarded(failed, v.name, _build, v, device, seed))]
         steps = len(variants[0].payloads)
         for step in range(steps):
+            if clock.spent():
+                break
             shift = step % max(len(live), 1)
             for entry in live[shift:] + live[:shift]:
+                if clock.spent():
+                    break
                 reading = _guarded(failed, entry.variant.name, _timed_step, entry, step, device)
                 if reading is None:
                     _drop(live, entry)
@@ -105,14 +116,32 @@ def bench_steps(variants: list[StepVariant], *, device: torch.device, seed: int 
                     entry.readings.append(reading)
             _progress(f"step {step + 1}/{steps}: " + ", ".join(
                 f"{e.variant.name} {e.readings[-1].step_s:.3f} s" for e in live if e.readings))
-        traces = {e.variant.name: _trace(e, device, trace_dir) for e in live} if trace_dir else {}
-        return {**{e.variant.name: {"readings": e.readings, "kernels": e.engine.module.skrull_kernels,
-                                    "optimizer": _optimizer_name(e.engine),
-                                    "top_ops": traces.get(e.variant.name)} for e in live},
-                **{name: {"error": error} for name, error in failed.items()}}
+        traces = ({e.variant.name: _trace(e, device, trace_dir) for e in live}
+                  if trace_dir and not clock.spent() else {})
+        measured = {e.variant.name: {"readings": e.readings, "kernels": e.engine.module.skrull_kernels,
+                                     "optimizer": _optimizer_name(e.engine),
+                                     "top_ops": traces.get(e.variant.name)} for e in live}
+        unbuilt = {v.name: {"error": clock.reason("before its engine was built")} for v in variants
+                   if v.name not in measured and v.name not in failed}
+        return {"variants": {**measured, **unbuilt, **{name: {"error": e} for name, e in failed.items()}},
+                "stopped_early": clock.reason("") if clock.spent() else None}
     finally:
         if owns_group:
             dist.destroy_process_group()
+
+
+class _Budget:
+    """The run's time budget from its start (None: unlimited)."""
+
+    def __init__(self, max_seconds: float | None) -> None:
+        self.max_seconds = max_seconds
+        self.started = time.monotonic()
+
+    def spent(self) -> bool:
+        return self.max_seconds is not None and time.monotonic() - self.started >= self.max_seconds
+
+    def reason(self, what: str) -> str:
+        return f"--max-seconds {self.max_seconds:g} reached{' ' + what if what else ''}"
 
 
 def _guarded(failed: dict[str, str], name: str, call: Any, *args: Any) -> Any:
