@@ -286,12 +286,14 @@ SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-step,profile,train_auto,cuda_tests,p
 TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false"
 TODAY="$TODAY,train.activation_checkpointing=true"  # the path before these knobs: C = 16384 recomputed
 STEP_ON="train.optimizer_impl=fused,train.overlap_comm=auto"
+# Built in this order, so that a part that runs out of time (--max-seconds) has compared all with today
+# before it builds the slowest variant, compile.
 SPEED_VARIANTS=(
   "today:$TODAY"
+  "all:$STEP_ON,model.kernels=liger,train.compile=false,train.activation_checkpointing=false"
   "device_step:$TODAY,$STEP_ON"
   "liger:$TODAY,model.kernels=liger"
   "compile:$TODAY,train.compile=true"
-  "all:$STEP_ON,model.kernels=liger,train.compile=false,train.activation_checkpointing=false"
 )
 speed_sets() {  # the 0.5B shape on synthetic LMSYS-like data, then the test's overrides
   local extra=() v
