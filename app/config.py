@@ -544,7 +544,8 @@ class TrainConfig:
     """Cross-entropy is computed this many tokens at a time, so full logits never exist."""
     optimizer_impl: Literal["auto", "foreach", "fused"] = "auto"
     """torch AdamW's implementation: fused (one kernel over the partition, and the step runs on the device
-    without a host sync: gradient norm, clipping and the non-finite skip, workers/zero_step.py) | foreach
+    without a host sync: gradient norm, clipping and the non-finite skip, workers/zero_step.py and
+    workers/bf16_step.py) | foreach
     (torch's multi-tensor kernels under DeepSpeed's own ZeRO step) | auto (fused on CUDA, DeepSpeed's step
     with torch's default implementation on CPU)."""
     compile: bool = False
@@ -554,6 +555,10 @@ class TrainConfig:
     """DeepSpeed ZeRO's overlap_comm (gradient reduction on a side stream): auto (on with GPUs and more than
     one worker, where there is communication to overlap; off on one GPU, where it only adds a device
     synchronization at the end of every backward) | on | off."""
+    one_rank_zero1: bool = True
+    """On a single worker, run train.zero_stage=2 as ZeRO stage 1: one rank holds the whole model at either
+    stage, and stage 1 skips ZeRO-2's per-micro-batch gradient bucket work (workers/engine.py
+    for_world_size). false keeps stage 2."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end)."""
     log_every: int = 1

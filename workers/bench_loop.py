@@ -120,7 +120,8 @@ def _build_policies(settings: BenchSettings, groups: ParallelGroups, device: tor
     base = settings.worker
     zero = zero_groups(base)  # created once: every engine reduces over the same groups
     return [_Policy(name=name, engine=build_engine(base.model, base.deepspeed, device, base.seed, zero,
-                                                   overlap_comm=base.overlap_comm),
+                                                   overlap_comm=base.overlap_comm,
+                                                   one_rank_zero1=base.one_rank_zero1),
                     planner=PlannerClient(planner, timeout_s=base.planner_timeout_s),
                     window=MetricsWindow(spare=groups.is_spare))
             for name, planner in settings.planners]

@@ -4,16 +4,18 @@
       step<N>/                          DeepSpeed: model, ZeRO-2 optimizer partitions, LR schedule, step
       latest
       skrull_state.json                 {step, epoch, rows, tag, world_size, dp_size, cp_size, spares,
-                                         calibration}
+                                         calibration, zero_stage}
       skrull_manifest_rank<R>.json      size and SHA-256 of each file rank R wrote (written, copied and
                                         verified before a resume: workers/checkpoint_files.py)
 
-Resume on the same world size loads the DeepSpeed checkpoint as saved. ZeRO-2 partitions the optimizer
-state over all W ranks, so a checkpoint saved by W ranks cannot be loaded by W' != W as it is: the node's
-first local rank converts it with DeepSpeed's own converter (`deepspeed.checkpoint.ds_to_universal`, run by
-workers/tools/ds_to_universal.py; a "universal checkpoint": one file per parameter and optimizer state)
-into a node-local directory, and every rank loads that with `checkpoint.load_universal` set, which
-re-partitions the state for W' ranks (docs/design.md §10).
+Resume on the same world size and ZeRO stage loads the DeepSpeed checkpoint as saved. ZeRO-2 partitions
+the optimizer state over all W ranks, so a checkpoint saved by W ranks cannot be loaded by W' != W as it
+is: the node's first local rank converts it with DeepSpeed's own converter
+(`deepspeed.checkpoint.ds_to_universal`, run by workers/tools/ds_to_universal.py; a "universal checkpoint":
+one file per parameter and optimizer state) into a node-local directory, and every rank loads that with
+`checkpoint.load_universal` set, which re-partitions the state for W' ranks (docs/design.md §10). The same
+path takes a checkpoint of another ZeRO stage (one worker runs stage 2 as stage 1, workers/engine.py
+for_world_size; in bf16 their files differ).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class CheckpointState:
     calibration: dict[str, Any] | None = None
     """The planner's online fit when the step was planned (scheduling/refit.py Refit.to_dict, with its
     version): a resumed or resized run plans with it from its first step."""
+    zero_stage: int | None = None
+    """The ZeRO stage DeepSpeed ran (workers/engine.py for_world_size: stage 2 runs as 1 on one worker);
+    None: a checkpoint written before it was recorded, at the config's stage."""
 
     @property
     def shape(self) -> str:

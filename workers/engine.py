@@ -158,27 +158,42 @@ def use_extensions_cache_per_environment() -> str:
     return os.environ.setdefault("TORCH_EXTENSIONS_DIR", default)
 
 
-def for_world_size(ds_config: DeepSpeedConfig, overlap_comm: str, world_size: int) -> DeepSpeedConfig:
-    """ds_config with train.overlap_comm=auto decided for this worker group: off on a single worker (nothing
-    to overlap; with it DeepSpeed synchronizes the device after every backward), as generated otherwise."""
-    if overlap_comm != "auto" or world_size > 1 or not ds_config["zero_optimization"]["overlap_comm"]:
-        return ds_config
-    return {**ds_config, "zero_optimization": {**ds_config["zero_optimization"], "overlap_comm": False}}
+def for_world_size(ds_config: DeepSpeedConfig, overlap_comm: str, world_size: int,
+                   one_rank_zero1: bool = True) -> DeepSpeedConfig:
+    """ds_config adapted to this worker group's size:
+    - train.overlap_comm=auto: off on a single worker (nothing to overlap; with it DeepSpeed synchronizes
+      the device after every backward), as generated otherwise;
+    - train.one_rank_zero1: ZeRO stage 2 runs as stage 1 on a single worker. One rank's partition is the
+      whole model either way, so both hold the same state; stage 2 still sends every parameter's gradient of
+      every micro-batch through its bucket (copy, division by the world size, accumulate into the fp32
+      partition) in Python hooks, where stage 1 adds it to the fp32 gradient directly (DeepSpeed's
+      BF16_Optimizer under bf16). Measured in docs/benchmarks.md "One rank: ZeRO-1 for ZeRO-2"."""
+    zero = ds_config["zero_optimization"]
+    if overlap_comm == "auto" and world_size == 1 and zero["overlap_comm"]:
+        zero = {**zero, "overlap_comm": False}
+    if one_rank_zero1 and world_size == 1 and zero["stage"] == 2:
+        zero = {**zero, "stage": 1}
+    return ds_config if zero is ds_config["zero_optimization"] else {**ds_config, "zero_optimization": zero}
 
 
 def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.device, seed: int,
                  groups: ZeroGroups | None = None, lr_schedule: LrSchedule | None = None,
-                 overlap_comm: str = "auto") -> Any:
+                 overlap_comm: str = "auto", one_rank_zero1: bool = True) -> Any:
     """The model on `device` (its kernels and compilation applied, ModelSpec.build_on), wrapped in a
     DeepSpeed engine: ZeRO (ds_config's stage) over `groups` (default: the world; at stage 3 the model is
     built partitioned over them, workers/sharded.py: no rank ever holds it whole), its learning rate
-    following `lr_schedule` (workers/lr_schedule.py; None: constant). `overlap_comm`: train.overlap_comm
-    (for_world_size). With torch's fused AdamW the ZeRO-1/2 step runs on the device alone
-    (workers/zero_step.py), when the engine allows it (else DeepSpeed's own step, said once)."""
+    following `lr_schedule` (workers/lr_schedule.py; None: constant). `overlap_comm`, `one_rank_zero1`:
+    train.overlap_comm and train.one_rank_zero1 (for_world_size). With torch's fused AdamW the ZeRO-1/2
+    step runs on the device alone (workers/zero_step.py, workers/bf16_step.py), when the engine allows it
+    (else DeepSpeed's own step, said once)."""
     use_extensions_cache_per_environment()  # before DeepSpeed builds its ops
     deepspeed = import_deepspeed()
     world = dist.get_world_size() if dist.is_initialized() else 1
-    ds_config = for_world_size(ds_config, overlap_comm, world)
+    asked = ds_config["zero_optimization"]["stage"]
+    ds_config = for_world_size(ds_config, overlap_comm, world, one_rank_zero1)
+    if ds_config["zero_optimization"]["stage"] != asked:
+        print(f"[skrull] one worker: ZeRO stage {asked} runs as stage 1 (the same state on one rank, without "
+              "ZeRO-2's per-micro-batch bucket work; train.one_rank_zero1=false keeps it)", flush=True)
 
     torch.manual_seed(seed)  # identical initial weights on every rank for random-init models
     zero3 = dict(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None

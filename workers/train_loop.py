@@ -47,7 +47,7 @@ from workers.checkpoints import (
     universal_dir,
 )
 from workers.distributed import ParallelGroups
-from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
+from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine, for_world_size
 from workers.eval_step import EvalSet, is_eval_step
 from workers.hf_export import export_complete, export_engine
 from workers.lr_schedule import LrSchedule
@@ -103,6 +103,8 @@ class WorkerSettings:
     0: none."""
     overlap_comm: str = "auto"
     """train.overlap_comm (workers/engine.py for_world_size decides `auto` on the worker)."""
+    one_rank_zero1: bool = True
+    """train.one_rank_zero1 (workers/engine.py for_world_size: ZeRO-2 as stage 1 on a single worker)."""
     export_on_finish: bool = False
     """train.export_on_finish: after the last step, the trained weights (a LoRA run's adapter) streamed into
     <run_dir>/.hf-export/ (workers/hf_export.py), which the driver publishes as <run_dir>/hf/."""
@@ -144,7 +146,7 @@ def _report(window: list[dict[str, Any]], engine: DeepSpeedEngine, payload: Rank
         state = CheckpointState(step=payload.step, epoch=payload.cursor.epoch, rows=payload.cursor.rows,
                                 tag=f"step{payload.step}", world_size=groups.world_size,
                                 dp_size=groups.dp_size, cp_size=groups.cp_size, spares=groups.spares,
-                                calibration=calibration)
+                                calibration=calibration, zero_stage=engine.zero_optimization_stage())
         saved = save_checkpoint(engine, state, groups.world_group, run_dir)
         if saved.failure is not None:
             window[-1]["stopped"] = saved.failure
@@ -225,10 +227,11 @@ def _loaded_engine(settings: WorkerSettings, device: torch.device, groups: Paral
                    local_rank: int) -> DeepSpeedEngine:
     zero = zero_groups(settings)
     build = functools.partial(build_engine, settings.model, device=device, seed=settings.seed, groups=zero,
-                              lr_schedule=settings.lr_schedule, overlap_comm=settings.overlap_comm)
+                              lr_schedule=settings.lr_schedule, overlap_comm=settings.overlap_comm,
+                              one_rank_zero1=settings.one_rank_zero1)
     if resume is None:
         return build(settings.deepspeed)
-    if resume.world_size == groups.world_size:
+    if resume.world_size == groups.world_size and _saved_stage(settings, resume) == _stage(settings, groups):
         engine = build(settings.deepspeed)
         with checkpoint.as_directory() as directory:
             # A LoRA checkpoint holds only the adapter: the built base weights stay (non-strict load).
@@ -250,6 +253,18 @@ def _loaded_engine(settings: WorkerSettings, device: torch.device, groups: Paral
     if local_rank == 0:
         shutil.rmtree(target, ignore_errors=True)
     return engine
+
+
+def _stage(settings: WorkerSettings, groups: ParallelGroups) -> int:
+    """The ZeRO stage DeepSpeed runs for this worker group (workers/engine.py for_world_size)."""
+    ds = for_world_size(settings.deepspeed, settings.overlap_comm, groups.world_size, settings.one_rank_zero1)
+    return ds["zero_optimization"]["stage"]
+
+
+def _saved_stage(settings: WorkerSettings, resume: CheckpointState) -> int:
+    """The ZeRO stage that wrote the checkpoint (the config's, for one written before it was recorded)."""
+    configured = settings.deepspeed["zero_optimization"]["stage"]
+    return resume.zero_stage if resume.zero_stage is not None else configured
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:

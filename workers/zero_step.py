@@ -68,12 +68,19 @@ def device_step_problem(zero_optimizer: Any) -> str | None:
 
 
 def install_device_step(engine: Any) -> str | None:
-    """Replace the engine's ZeRO optimizer step by `device_step`; returns why not (None: installed)."""
-    zero_optimizer = engine.optimizer
-    problem = device_step_problem(zero_optimizer)
+    """Replace the engine's optimizer step by the device step of its class: `device_step` for DeepSpeed's
+    ZeRO-1/2 optimizer, workers/bf16_step.py's for its BF16_Optimizer (ZeRO-1 with bf16 weights); returns
+    why not (None: installed)."""
+    from workers import bf16_step
+
+    optimizer = engine.optimizer
+    if bf16_step.owns(optimizer):
+        step, problem = bf16_step.device_step, bf16_step.device_step_problem(optimizer)
+    else:
+        step, problem = device_step, device_step_problem(optimizer)
     if problem is None:
-        zero_optimizer.step = types.MethodType(device_step, zero_optimizer)
-        zero_optimizer.skrull_applied = None
+        optimizer.step = types.MethodType(step, optimizer)
+        optimizer.skrull_applied = None
     return problem
 
 

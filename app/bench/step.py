@@ -136,7 +136,8 @@ def step_variant(name: str, config: SkrullConfig, payloads: tuple[Any, ...], on_
         name=name, model=model_spec(config.model, config.train, tokenizer=tokenizer),
         deepspeed=deepspeed_config(config.train, dtype=config.model.dtype, on_gpu=on_gpu,
                                    hidden_size=model_dims(config.model, tokenizer).hidden_size),
-        overlap_comm=config.train.overlap_comm, loss_chunk_tokens=config.train.loss_chunk_tokens,
+        overlap_comm=config.train.overlap_comm, one_rank_zero1=config.train.one_rank_zero1,
+        loss_chunk_tokens=config.train.loss_chunk_tokens,
         warmup_tokens=config.scheduling.bucket_size, attention_backend=config.model.attention_backend,
         payloads=payloads)
 
@@ -167,7 +168,7 @@ def summarize(name: str, config: SkrullConfig, result: dict[str, Any], payloads:
         "micro_batches": mean(r.micro_batches for r in readings), "counted_steps": len(readings),
         "peak_bytes": max(peaks) if peaks else None, "predicted_peak_bytes": predicted_peak_bytes(config),
         "bucket_size": config.scheduling.bucket_size, "kernels": result["kernels"],
-        "optimizer": result["optimizer"], "compile": config.train.compile,
+        "optimizer": result["optimizer"], "zero_stage": result["zero_stage"], "compile": config.train.compile,
         "activation_checkpointing": config.train.activation_checkpointing,
         "losses": [r.loss for r in result["readings"]], "applied": [r.applied for r in result["readings"]],
         "step_times": [r.step_s for r in result["readings"]],

@@ -63,7 +63,8 @@ def _print(result: dict) -> None:
     for name, v in result["variants"].items():
         if "error" in v:
             continue
-        print(f"  {name}: kernels {v['kernels']}, {v['optimizer']}, compile {v['compile']}, "
+        print(f"  {name}: kernels {v['kernels']}, {v['optimizer']}, ZeRO-{v['zero_stage']}, "
+              f"compile {v['compile']}, "
               f"checkpointing {v['activation_checkpointing']}, C {v['bucket_size']:,}")
         for op in v.get("top_ops") or []:
             print(f"    {op['self_ms']:>10.2f} ms  {op['calls']:>6}x  {op['op']}")

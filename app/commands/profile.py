@@ -97,7 +97,8 @@ def _settings(config: Any, args: argparse.Namespace, steps: list[Any], on_gpu: b
         memory_cases=tuple((max(32, max_tokens // d),) for d in (8, 4, 2, 1)),
         kv_hidden_size=cost.kv_hidden_size, repeats=args.repeats,
         loss_chunk_tokens=config.train.loss_chunk_tokens, timeout_s=config.train.collective_timeout_s,
-        seed=config.train.seed, overlap_comm=config.train.overlap_comm)
+        seed=config.train.seed, overlap_comm=config.train.overlap_comm,
+        one_rank_zero1=config.train.one_rank_zero1)
 
 
 def _world_size(config: Any) -> int:

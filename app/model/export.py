@@ -3,8 +3,10 @@ the end of a run's own export (train.export_on_finish: <run_dir>/hf/, `publish_e
 
     <run_dir>/skrull_config.json ─▶ SkrullConfig ─▶ ModelSpec (the architecture on the meta device: no memory)
     Ray Train's newest recorded checkpoint (or --checkpoint PATH) ─▶ skrull_state.json: the DeepSpeed tag
-    full run : the weights streamed file by file (workers/hf_export.py write_weights over CheckpointWeights:
-               DeepSpeed's zero_to_fp32 in lazy mode) ─▶ model-*.safetensors (+ index), cast to the dtype
+    full run : the weights streamed file by file (workers/hf_export.py write_weights over
+               workers/checkpoint_weights.py: DeepSpeed's zero_to_fp32 in lazy mode, or its universal
+               converter for a one-worker bf16 run's BF16_Optimizer checkpoint) ─▶ model-*.safetensors
+               (+ index), cast to the dtype
                + config.json and generation_config.json of the architecture (`save_model_config`)
     LoRA run : the adapter weights (the checkpoint holds only them) ─▶ peft's adapter_config.json +
                adapter_model.safetensors (write_adapter, named by peft's own conversion)
@@ -98,11 +100,17 @@ def _check_out(out: str) -> Path:
 
 
 def consolidate(checkpoint_dir: Path, tag: str, *, frozen_base: bool) -> dict[str, Any]:
-    """fp32 weights from every rank's ZeRO partition (DeepSpeed's zero_to_fp32); LoRA: the adapter only."""
+    """fp32 weights from every rank's ZeRO partition (DeepSpeed's zero_to_fp32, or its universal converter
+    for a BF16_Optimizer checkpoint: workers/checkpoint_weights.py); LoRA: the adapter only."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag,
-                                                    exclude_frozen_parameters=frozen_base)
+    from workers.checkpoint_weights import checkpoint_weights, zero_to_fp32_reads
+
+    if zero_to_fp32_reads(checkpoint_dir, tag):
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag,
+                                                        exclude_frozen_parameters=frozen_base)
+    with checkpoint_weights(checkpoint_dir, tag, frozen_base=frozen_base) as source:
+        return source.fetch(source.names())
 
 
 def merged_model(config: SkrullConfig, state: dict[str, Any], *, attn: str = STANDARD_ATTENTION) -> Any:
@@ -211,7 +219,8 @@ def write_export(config: SkrullConfig, directory: Path, tag: str, out: Path, *, 
     """The module docstring's files of `kind` (model | adapter | merged) into the local directory `out`."""
     from app.model.export_tokenizer import save_tokenizer
     from app.model.spec import model_spec
-    from workers.hf_export import CheckpointWeights, export_names, move_into, write_adapter, write_weights
+    from workers.checkpoint_weights import checkpoint_weights
+    from workers.hf_export import export_names, move_into, write_adapter, write_weights
     from workers.models import DTYPES
 
     tokenizer = save_tokenizer(config.data.tokenizer, template, out)
@@ -220,13 +229,14 @@ def write_export(config: SkrullConfig, directory: Path, tag: str, out: Path, *, 
         model = merged_model(config, consolidate(directory, tag, frozen_base=True))
         _prepare_for_inference(model, dtype, tokenizer).save_pretrained(str(out), safe_serialization=True)
         return
-    source = CheckpointWeights(directory, tag, frozen_base=kind == "adapter")
-    if kind == "adapter":
-        peft_model = spec.meta_peft_model()
-        shapes = export_names(peft_model.base_model.model, trainable_only=True)
-        write_adapter(source, shapes, peft_model, move_into(out), dtype=DTYPES[dtype], writer=True)
-        return
-    write_weights(source, export_names(spec.meta_model()), move_into(out), dtype=DTYPES[dtype], writer=True)
+    with checkpoint_weights(directory, tag, frozen_base=kind == "adapter") as source:
+        if kind == "adapter":
+            peft_model = spec.meta_peft_model()
+            shapes = export_names(peft_model.base_model.model, trainable_only=True)
+            write_adapter(source, shapes, peft_model, move_into(out), dtype=DTYPES[dtype], writer=True)
+            return
+        write_weights(source, export_names(spec.meta_model()), move_into(out), dtype=DTYPES[dtype],
+                      writer=True)
     save_model_config(config, out, dtype=dtype, tokenizer=tokenizer)
 
 

@@ -103,6 +103,7 @@ def worker_settings(config: SkrullConfig, planner: ActorHandle | None, monitor: 
         lr_schedule=lr_schedule(train, total_steps),
         calibration=config.scheduling.calibration == "online",
         warmup_tokens=config.scheduling.bucket_size, overlap_comm=train.overlap_comm,
+        one_rank_zero1=train.one_rank_zero1,
         export_on_finish=train.export_on_finish,
     )
 

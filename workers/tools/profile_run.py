@@ -85,6 +85,8 @@ class ProfileSettings:
     """Per whole step to time, the payload of every (dp_rank, cp_rank)."""
     overlap_comm: str = "auto"
     """train.overlap_comm (workers/engine.py for_world_size)."""
+    one_rank_zero1: bool = True
+    """train.one_rank_zero1 (workers/engine.py for_world_size)."""
 
 
 def _slowest(seconds: float, device: torch.device) -> float:
@@ -207,7 +209,8 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
     model = s.model.build().to(device)
     model.train()
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    engine = build_engine(s.model, s.deepspeed, device, s.seed, zero, overlap_comm=s.overlap_comm)
+    engine = build_engine(s.model, s.deepspeed, device, s.seed, zero, overlap_comm=s.overlap_comm,
+                          one_rank_zero1=s.one_rank_zero1)
     result: dict[str, Any] = {
         "world_size": world_size, "cp_size": s.cp_size, "params": params,
         "compute": _compute_rows(engine, s, groups, device),

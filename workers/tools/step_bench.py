@@ -55,6 +55,7 @@ class StepVariant:
     model: ModelSpec
     deepspeed: DeepSpeedConfig
     overlap_comm: str
+    one_rank_zero1: bool
     loss_chunk_tokens: int
     warmup_tokens: int
     attention_backend: str
@@ -120,6 +121,7 @@ def bench_steps(variants: list[StepVariant], *, device: torch.device, seed: int 
                   if trace_dir and not clock.spent() else {})
         measured = {e.variant.name: {"readings": e.readings, "kernels": e.engine.module.skrull_kernels,
                                      "optimizer": _optimizer_name(e.engine),
+                                     "zero_stage": e.engine.zero_optimization_stage(),
                                      "top_ops": traces.get(e.variant.name)} for e in live}
         unbuilt = {v.name: {"error": clock.reason("before its engine was built")} for v in variants
                    if v.name not in measured and v.name not in failed}
@@ -188,7 +190,7 @@ def _build(variant: StepVariant, device: torch.device, seed: int) -> _Live:
     groups = ParallelGroups.create(1, device=device, attention_backend=variant.attention_backend)
     zero = ZeroGroups.create(timedelta(minutes=30))
     engine = build_engine(variant.model, variant.deepspeed, device, seed, zero,
-                          overlap_comm=variant.overlap_comm)
+                          overlap_comm=variant.overlap_comm, one_rank_zero1=variant.one_rank_zero1)
     built = time.perf_counter()
     warm_up(engine, groups, device, tokens=variant.warmup_tokens, loss_chunk_tokens=variant.loss_chunk_tokens)
     synchronize(device)
