@@ -1,6 +1,6 @@
 """The DeepSpeed JSON of a GPU run (app/model/deepspeed_config.py): torch's fused AdamW inside ZeRO-2 under
 the device step (workers/zero_step.py), no JIT-built op, no throughput timer, and bf16 gradients accumulated
-in fp32.
+in fp32 (also by DeepSpeed's BF16_Optimizer, the ZeRO-1 that one worker runs for ZeRO-2).
 
 DeepSpeed builds the optimizer the same way on every accelerator up to the op it loads: its FusedAdam
 loads `FusedAdamBuilder().load()` in its constructor (a JIT compile with nvcc on CUDA, with g++ on CPU).
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import Tensor
 
 from app.config import load_config
 from app.model.deepspeed_config import deepspeed_config
@@ -88,8 +89,8 @@ def _gpu_json_engines(rank: int, world: int) -> dict:
     ids = [list(range(3, 40)), [7, 3, 9, 4, 11]]
     batch = build_rank_batch(DacpPlan(local=((0, 1),), distributed=()), ids, ids, cp_rank=0, cp_size=1)
 
-    def accumulate(ds_config, micro_batches: int) -> tuple[object, torch.Tensor]:
-        engine = build_engine(spec, ds_config, torch.device("cpu"), seed=0)
+    def accumulate(ds_config, micro_batches: int, one_rank_zero1: bool = False) -> tuple[object, Tensor]:
+        engine = build_engine(spec, ds_config, torch.device("cpu"), seed=0, one_rank_zero1=one_rank_zero1)
         for index in range(micro_batches):
             engine.set_gradient_accumulation_boundary(index == micro_batches - 1)
             loss = micro_batch_loss_sum(engine.module, batch) / batch.num_tokens
@@ -110,7 +111,12 @@ def _gpu_json_engines(rank: int, world: int) -> dict:
     flat = getattr(engine.optimizer.averaged_gradients.get(0), "flat_partition", None)  # the fp32 buffer
     result["partition_dtype"] = "none" if flat is None else str(flat.dtype)
     _, bf16_sum = accumulate(bf16_accumulation, MICRO_BATCHES)
-    return result | {"refused": refused, "one": one, "fp32_sum": fp32_sum, "bf16_sum": bf16_sum}
+    # One worker runs ZeRO-2 as stage 1 (workers/engine.py for_world_size): DeepSpeed's BF16_Optimizer,
+    # under workers/bf16_step.py's device step, accumulating in fp32 as well.
+    engine, zero1_sum = accumulate(gpu, MICRO_BATCHES, one_rank_zero1=True)
+    result["zero1"] = (type(engine.optimizer).__name__, engine.optimizer.step.__func__.__module__)
+    return result | {"refused": refused, "one": one, "fp32_sum": fp32_sum, "bf16_sum": bf16_sum,
+                     "zero1_sum": zero1_sum}
 
 
 def test_the_gpu_json_builds_torch_adamw_in_zero2_without_a_jit_op_and_accumulates_in_fp32() -> None:
@@ -126,5 +132,7 @@ def test_the_gpu_json_builds_torch_adamw_in_zero2_without_a_jit_op_and_accumulat
     one = result["one"]
     scale = one.abs().max()
     assert (result["fp32_sum"] - one).abs().max() <= 1e-6 * scale
+    assert result["zero1"] == ("BF16_Optimizer", "workers.bf16_step")
+    assert (result["zero1_sum"] - one).abs().max() <= 1e-6 * scale
     # The same sum accumulated in bf16 (DeepSpeed's default for a bf16 model) rounds: what fp32 avoids.
     assert (result["bf16_sum"] - one).abs().max() > 1e-3 * scale

@@ -17,6 +17,7 @@ from typing import Any, TypedDict
 import torch
 import torch.distributed as dist
 
+from workers import bf16_step
 from workers.deepspeed_import import import_deepspeed
 from workers.loss import LOSS_HEAD
 from workers.lr_schedule import LrSchedule, scheduler_factory
@@ -64,6 +65,10 @@ class EnabledFlag(TypedDict):
     enabled: bool
 
 
+class Bf16Section(EnabledFlag, total=False):
+    immediate_grad_update: bool
+
+
 class DataTypesSection(TypedDict):
     grad_accum_dtype: str
 
@@ -83,7 +88,7 @@ class DeepSpeedConfig(TypedDict, total=False):
     optimizer: OptimizerSection
     zero_optimization: ZeroSection
     gradient_clipping: float
-    bf16: EnabledFlag
+    bf16: Bf16Section
     data_types: DataTypesSection
     wall_clock_breakdown: bool
     timers: TimersSection
@@ -207,6 +212,11 @@ def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.devi
         if problem and (not dist.is_initialized() or dist.get_rank() == 0):
             print(f"[skrull] train.optimizer_impl=fused: DeepSpeed's own (host-synchronizing) step runs, "
                   f"because {problem}", flush=True)
+    if world == 1 and bf16_step.owns(engine.optimizer):
+        # One rank has nothing to all-reduce; DeepSpeed would still flatten every gradient into a copy (4
+        # bytes per parameter at the step) to reduce it with itself. BF16_Optimizer needs nothing else of
+        # that call (ZeRO's optimizers do: their gradients arrive through it).
+        engine.enable_backward_allreduce = False
     return engine
 
 

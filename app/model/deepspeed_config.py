@@ -39,6 +39,10 @@ Why these settings:
   accumulation for bf16 without ZeRO (`_do_optimizer_sanity_check` raises NotImplementedError on the mix).
   ZeRO-3 takes the same setting (`DeepSpeedZeroOptimizer_Stage3(gradient_accumulation_dtype=...)`: its
   partitioned gradient buffers are fp32).
+- `bf16.immediate_grad_update`: BF16_Optimizer (ZeRO-1 in bf16, what one worker runs, workers/engine.py
+  for_world_size) adds each parameter's bf16 gradient to its fp32 sum as the backward produces it and frees
+  it; without it every bf16 gradient stays alive from one backward to the next (2 bytes per parameter more,
+  measured by tests/test_one_rank_zero1.py's ledger). ZeRO's own optimizers ignore the key.
 - ZeRO-3 (`train.zero_stage: 3`) partitions the weights too, over the same W ranks, and gathers each
   module's weights in its forward and backward hooks. `stage3_prefetch_bucket_size` (elements gathered
   ahead of use) follows the reduce bucket (5e7 on GPU, DeepSpeed's default; 5e5 on CPU, where a gather
@@ -101,7 +105,7 @@ def deepspeed_config(train: TrainConfig, *, dtype: str, on_gpu: bool,
             "allgather_bucket_size": 5e7 if on_gpu else 5e5,
         },
         "gradient_clipping": train.grad_clip,
-        "bf16": {"enabled": dtype == "bf16"},
+        "bf16": {"enabled": dtype == "bf16", "immediate_grad_update": True},
         "wall_clock_breakdown": False,
         "timers": {"throughput": {"enabled": False}},  # its stop() synchronizes the device every step
     }
