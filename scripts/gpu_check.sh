@@ -19,8 +19,8 @@
 #   bench    `python -m app bench train` of the same run, with $OUT/gpu.yaml (else configs/hardware/h100.yaml)
 #   speed    the GPU-speed matrix, ~9 minutes on one GPU, each part time-boxed and written as it ends:
 #            `bench step` of Qwen2.5-0.5B's shape at C = 16384 over the knobs (today's path, checkpointing
-#            every layer; each knob alone: the device step, liger kernels, torch.compile; all on without
-#            checkpointing) -> speed_step.json; `profile` -> gpu.yaml; `train` with the config's defaults
+#            every layer; all on without checkpointing; the device step on ZeRO-1 (one GPU's default) and
+#            on ZeRO-2; liger kernels; torch.compile) -> speed_step.json; `profile` -> gpu.yaml; `train` with the config's defaults
 #            (bucket_size and checkpointing auto, the train stage's rows) -> train_auto.json; the CUDA tests
 #            of the knobs (tests/test_kernels_cuda.py); `bench peer --device cuda` (TRL in bf16) ->
 #            speed_peer.json; all of it in speed.json. Not part of `all`.
@@ -284,13 +284,14 @@ stage_bench() {
 SPEED_STEPS=${SKRULL_GPU_CHECK_SPEED_STEPS:-3}
 SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-step,profile,train_auto,cuda_tests,peer}
 TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false"
-TODAY="$TODAY,train.activation_checkpointing=true"  # the path before these knobs: C = 16384 recomputed
+TODAY="$TODAY,train.activation_checkpointing=true,train.one_rank_zero1=false"  # the path before the knobs
 STEP_ON="train.optimizer_impl=fused,train.overlap_comm=auto"
 # Built in this order, so that a part that runs out of time (--max-seconds) has compared all with today
 # before it builds the slowest variant, compile.
 SPEED_VARIANTS=(
   "today:$TODAY"
   "all:$STEP_ON,model.kernels=liger,train.compile=false,train.activation_checkpointing=false"
+  "zero1:$TODAY,$STEP_ON,train.one_rank_zero1=true"
   "device_step:$TODAY,$STEP_ON"
   "liger:$TODAY,model.kernels=liger"
   "compile:$TODAY,train.compile=true"

@@ -61,21 +61,6 @@ def _payloads() -> list:
     return payloads
 
 
-@pytest.fixture(scope="module")
-def world():
-    import torch.distributed as dist
-
-    from workers.tools.launch import free_port
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _engine(name: str):
     from app.config import load_config
     from app.model.deepspeed_config import deepspeed_config
@@ -96,29 +81,46 @@ def _step(engine, payload):
                     loss_chunk_tokens=16)
 
 
-@pytest.fixture(scope="module")
-def runs(world) -> dict:
+def _variant_run(name: str, payloads: list) -> dict:
+    engine = _engine(name)
+    losses, norms, syncs = [], [], SyncCounter()
+    for step, payload in enumerate(payloads, start=1):
+        counting = 1 < step < len(payloads)  # the steps between log steps
+        originals = _count_host_reads(syncs) if counting else {}
+        try:
+            with syncs if counting else contextlib.nullcontext():
+                stats = _step(engine, payload)
+        finally:
+            for attr, method in originals.items():
+                setattr(torch.Tensor, attr, method)
+        losses.append(float(stats.loss_sum) / payload.global_label_tokens)
+        norms.append(float(engine.get_global_grad_norm()))
+    return {"loss": losses, "norm": norms, "syncs": syncs.calls,
+            "optimizer": type(engine.optimizer).__name__, "stage": engine.zero_optimization_stage(),
+            "device_step": hasattr(engine.optimizer, "skrull_applied")}
+
+
+def _worker(rank: int, world: int) -> dict:
+    """Everything in one rank of its own (DeepSpeed keeps process-wide group state between engines, so
+    engines of another test's world must not share this process)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     payloads = _payloads()
     assert all(len(p.micro_batches) >= 2 for p in payloads)  # accumulation over micro-batches is exercised
-    out = {}
-    for name in VARIANTS:
-        engine = _engine(name)
-        losses, norms, syncs = [], [], SyncCounter()
-        for step, payload in enumerate(payloads, start=1):
-            counting = 1 < step < len(payloads)  # the steps between log steps
-            originals = _count_host_reads(syncs) if counting else {}
-            try:
-                with syncs if counting else contextlib.nullcontext():
-                    stats = _step(engine, payload)
-            finally:
-                for attr, method in originals.items():
-                    setattr(torch.Tensor, attr, method)
-            losses.append(float(stats.loss_sum) / payload.global_label_tokens)
-            norms.append(float(engine.get_global_grad_norm()))
-        out[name] = {"loss": losses, "norm": norms, "syncs": syncs.calls,
-                     "optimizer": type(engine.optimizer).__name__, "stage": engine.zero_optimization_stage(),
-                     "device_step": hasattr(engine.optimizer, "skrull_applied")}
-    return out
+    return {"runs": {name: _variant_run(name, payloads) for name in VARIANTS},
+            "nonfinite": _nonfinite_run(payloads), "peaks": _ledger_peaks(payloads)}
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    from workers.tools.launch import run_workers
+
+    (result,) = run_workers(_worker, 1, backend="gloo")
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(measured: dict) -> dict:
+    return measured["runs"]
 
 
 def test_one_worker_runs_zero2_as_stage1_with_the_same_losses(runs: dict) -> None:
@@ -154,21 +156,30 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_non_finite_step_leaves_the_bf16_state_untouched(world, monkeypatch) -> None:
+def _nonfinite_run(payloads: list) -> dict:
     import workers.step
 
     engine = _engine("zero1")
-    payloads = _payloads()
-    assert bool(_step(engine, payloads[0]).applied)
+    first = bool(_step(engine, payloads[0]).applied)
     before = _state(engine)
     real = workers.step.micro_batch_loss_sum
-    monkeypatch.setattr(workers.step, "micro_batch_loss_sum", lambda *a, **k: real(*a, **k) * float("inf"))
-    stats = _step(engine, payloads[1])
-    assert torch.is_tensor(stats.applied) and not bool(stats.applied)
-    assert _same(_state(engine), before)
-    assert float(engine.get_global_grad_norm()) == float("inf")
-    monkeypatch.undo()
-    assert bool(_step(engine, payloads[2]).applied) and not _same(_state(engine), before)
+    workers.step.micro_batch_loss_sum = lambda *a, **k: real(*a, **k) * float("inf")
+    try:
+        poisoned = _step(engine, payloads[1]).applied
+    finally:
+        workers.step.micro_batch_loss_sum = real
+    untouched = _same(_state(engine), before)
+    norm = float(engine.get_global_grad_norm())
+    good = bool(_step(engine, payloads[2]).applied)
+    return {"first": first, "poisoned_is_tensor": torch.is_tensor(poisoned), "poisoned": bool(poisoned),
+            "untouched": untouched, "norm": norm, "good": good, "changed": not _same(_state(engine), before)}
+
+
+def test_a_non_finite_step_leaves_the_bf16_state_untouched(measured: dict) -> None:
+    result = measured["nonfinite"]
+    assert result["first"] and result["poisoned_is_tensor"] and not result["poisoned"]
+    assert result["untouched"] and result["norm"] == float("inf")
+    assert result["good"] and result["changed"]
 
 
 def test_the_stage_follows_the_worker_count_and_another_stages_checkpoint_goes_through_universal() -> None:
@@ -207,10 +218,7 @@ def test_the_stage_follows_the_worker_count_and_another_stages_checkpoint_goes_t
     assert _stage(replace(settings, one_rank_zero1=False), one) == 2
 
 
-def test_stage1_on_one_worker_holds_no_more_than_zero2(world) -> None:
-    """The memory claim, measured (workers/tools/tensor_ledger.py: every storage created from the engine
-    build through three steps): ZeRO-1 on one worker peaks no higher than ZeRO-2 did. Measured on an
-    8-layer h=128 shape (2.0M parameters): 19.5 against 20.2 bytes per parameter; here on the tiny shape."""
+def _ledger_peaks(payloads: list) -> dict[str, int]:
     from workers.tools.tensor_ledger import DeviceLedger
 
     peaks = {}
@@ -218,7 +226,15 @@ def test_stage1_on_one_worker_holds_no_more_than_zero2(world) -> None:
         ledger = DeviceLedger()
         with ledger:
             engine = _engine(name)
-            for payload in _payloads()[:3]:
+            for payload in payloads[:3]:
                 _step(engine, payload)
         peaks[name] = ledger.peak
+    return peaks
+
+
+def test_stage1_on_one_worker_holds_no_more_than_zero2(measured: dict) -> None:
+    """The memory claim, measured (workers/tools/tensor_ledger.py: every storage created from the engine
+    build through three steps): ZeRO-1 on one worker peaks no higher than ZeRO-2 did. Measured on an
+    8-layer h=128 shape (2.0M parameters): 19.5 against 20.2 bytes per parameter; here on the tiny shape."""
+    peaks = measured["peaks"]
     assert peaks["zero1"] <= peaks["zero2"], peaks
