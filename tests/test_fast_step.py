@@ -245,11 +245,13 @@ def test_inductor_compiles_a_layer_once_for_every_length_and_matches_eager(monke
 
 def test_the_warm_up_adds_exact_zeros(tmp_path: Path) -> None:
     """warm_up's micro-batch leaves ZeRO's accumulated gradient at exactly zero (its loss is multiplied by 0),
-    so the first step's gradient is the step's own (today's `fused` and `today` runs agree above as well)."""
+    so the first step's gradient is the step's own (today's `fused` and `today` runs agree above as well):
+    ZeRO-2's fp32 partition, and the fp32 sums of the BF16_Optimizer that one worker runs in bf16."""
     from workers.tools.launch import run_workers
 
     (grads,) = run_workers(_warm_up_worker, 1, backend="gloo")
     assert grads["abs_sum"] == 0.0 and grads["micro_step_id"] == 0
+    assert grads["bf16_zero1_abs_sum"] == 0.0  # one worker's ZeRO-1 in bf16: BF16_Optimizer's fp32 sums
 
 
 def _warm_up_worker(rank: int, world: int) -> dict:
@@ -263,8 +265,13 @@ def _warm_up_worker(rank: int, world: int) -> dict:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     ds = deepspeed_config(load_config(None, []).train, dtype="fp32", on_gpu=False)
     groups = ParallelGroups.create(1)
-    engine = build_engine(ModelSpec(**SPEC), ds, torch.device("cpu"), seed=0)
+    engine = build_engine(ModelSpec(**SPEC), ds, torch.device("cpu"), seed=0, one_rank_zero1=False)
     warm_up(engine, groups, torch.device("cpu"), tokens=64, loss_chunk_tokens=16)
     flat = engine.optimizer.averaged_gradients
     total = sum(float(g.abs().sum()) for grads in flat.values() if grads is not None for g in grads)
-    return {"abs_sum": total, "micro_step_id": engine.optimizer.micro_step_id}
+    bf16 = deepspeed_config(load_config(None, []).train, dtype="bf16", on_gpu=False)
+    zero1 = build_engine(ModelSpec(**SPEC, dtype="bf16"), bf16, torch.device("cpu"), seed=0)
+    warm_up(zero1, groups, torch.device("cpu"), tokens=64, loss_chunk_tokens=16)
+    sums = zero1.optimizer.fp32_groups_gradients_flat
+    return {"abs_sum": total, "micro_step_id": engine.optimizer.micro_step_id,
+            "bf16_zero1_abs_sum": sum(float(g.abs().sum()) for g in sums)}
