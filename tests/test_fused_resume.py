@@ -9,7 +9,10 @@ into a fused engine and trains the same step 2. Its loss and gradient norm must 
 run's (fp32, 1e-5 relative: the same global batch, split over 1 instead of 2 ranks), and its Adam step
 counter must read 2 afterwards (1 restored + 1). On CPU the counters come back as CPU fp32 tensors beside
 CPU parameters, which is what fused wants there: this run proves the fused path end to end, and the
-second test moves counters restored on another device than their parameters (a GPU run's case).
+second test moves counters restored on another device than their parameters (a GPU run's case). The one
+rank runs ZeRO-1 (workers/engine.py for_world_size). In bf16 one worker's ZeRO-1 is DeepSpeed's
+BF16_Optimizer, whose checkpoints differ from ZeRO-2's: the bf16 tests export one and resume it on two
+workers, and resume a one-worker ZeRO-2 checkpoint (the code before) on one worker at ZeRO-1.
 """
 
 from __future__ import annotations
@@ -43,16 +46,21 @@ def _payloads(step: int, dp_size: int) -> dict:
                                plan_ms=0.0)
 
 
-def _engine(ds_extra: dict | None = None, dtype: str = "fp32"):
+def _ds(dtype: str) -> dict:
     from app.config import load_config
     from app.model.deepspeed_config import deepspeed_config
+
+    return deepspeed_config(load_config(None, ["train.optimizer_impl=fused", "train.lr=0.01"]).train,
+                            dtype=dtype, on_gpu=False)
+
+
+def _engine(ds_extra: dict | None = None, dtype: str = "fp32", one_rank_zero1: bool = True):
     from workers.engine import build_engine
     from workers.models import ModelSpec
 
-    ds = deepspeed_config(load_config(None, ["train.optimizer_impl=fused", "train.lr=0.01"]).train,
-                          dtype=dtype, on_gpu=False)
-    return build_engine(ModelSpec(**SPEC, dtype=dtype), {**ds, **(ds_extra or {})}, torch.device("cpu"),
-                        seed=0)
+    ds = {**_ds(dtype), **(ds_extra or {})}
+    return build_engine(ModelSpec(**SPEC, dtype=dtype), ds, torch.device("cpu"), seed=0,
+                        one_rank_zero1=one_rank_zero1)
 
 
 def _step(engine, payloads: dict, groups) -> tuple[float, float]:
@@ -137,6 +145,45 @@ def test_a_one_worker_bf16_checkpoint_exports_and_resumes_on_two_workers(tmp_pat
     loss, norm, optimizer = resumed[0]
     assert optimizer == "DeepSpeedZeroOptimizer"
     assert abs(loss - one["loss"]) <= 2e-5 * one["loss"] and abs(norm - one["norm"]) <= 5e-4 * one["norm"]
+
+
+def _resume_a_zero2_checkpoint_on_one_worker(rank: int, world: int, out: str) -> dict:
+    """A one-worker bf16 ZeRO-2 checkpoint as the code before train.one_rank_zero1 wrote it (no zero_stage
+    in skrull_state.json), resumed by the train loop's own loader on one worker, which now runs ZeRO-1."""
+    from ray.train import Checkpoint
+
+    from workers.checkpoints import CheckpointState
+    from workers.distributed import ParallelGroups
+    from workers.models import ModelSpec
+    from workers.train_loop import WorkerSettings, _loaded_engine
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    groups = ParallelGroups.create(1)
+    engine = _engine(dtype="bf16", one_rank_zero1=False)
+    _step(engine, _payloads(1, world), groups)
+    engine.save_checkpoint(out, tag="step1")
+    CheckpointState(step=1, epoch=0, rows=4, tag="step1", world_size=1, dp_size=1, cp_size=1).write(out)
+    expected = _step(engine, _payloads(2, world), groups)
+    settings = WorkerSettings(model=ModelSpec(**SPEC, dtype="bf16"), deepspeed=_ds("bf16"), cp_size=1,
+                              total_steps=2, loss_chunk_tokens=16, checkpoint_every=0, log_every=1,
+                              run_dir="", planner=None)
+    resumed = _loaded_engine(settings, torch.device("cpu"), groups, Checkpoint.from_directory(out),
+                             CheckpointState.read(out), local_rank=0)
+    return {"optimizers": (type(engine.optimizer).__name__, type(resumed.optimizer).__name__),
+            "expected": expected, "resumed": _step(resumed, _payloads(2, world), groups)}
+
+
+def test_a_zero2_checkpoint_of_one_worker_resumes_on_one_worker_at_zero1(tmp_path: Path) -> None:
+    """The upgrade case: same world size, another ZeRO stage (in bf16 another file layout), so the loader
+    goes through the universal converter; step 2 trains as the uninterrupted ZeRO-2 run did (loss within
+    2e-5, gradient norm within 5e-4 relative, as tests/test_one_rank_zero1.py)."""
+    from workers.tools.launch import run_workers
+
+    (result,) = run_workers(_resume_a_zero2_checkpoint_on_one_worker, 1, args=(str(tmp_path / "ckpt"),),
+                            backend="gloo")
+    assert result["optimizers"] == ("DeepSpeedZeroOptimizer", "BF16_Optimizer")
+    (loss, norm), (got_loss, got_norm) = result["expected"], result["resumed"]
+    assert abs(got_loss - loss) <= 2e-5 * loss and abs(got_norm - norm) <= 5e-4 * norm
 
 
 def _resume(rank: int, world: int, universal: str) -> dict:
