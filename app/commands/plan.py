@@ -104,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"memory per rank over {terms.workers} ranks at ZeRO-{terms.zero_stage}, recompute "
           f"{terms.recompute}, kernels {terms.kernels} (modeled, not measured: app/profiling/memory.py)")
     print(format_terms(terms))
+    if terms.workers == 1 and terms.zero_stage == 2 and config.train.one_rank_zero1:
+        print("one worker runs ZeRO-2 as ZeRO-1 (train.one_rank_zero1: the same state, no per-micro-batch "
+              "bucket work); the ZeRO-2 terms above bound it (docs/memory.md)")
     print("the same at ZeRO-2 and ZeRO-3, without and with activation offload:")
     print(format_memory_table(memory_table(config)))
     if args.plot:
