@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from scheduling import CostModel, plan_step
-from scheduling.payload import IGNORE_INDEX, Cursor, Sample, build_rank_payloads
+from scheduling.payload import Cursor, Sample, build_rank_payloads
+from tests.planned_steps import labelled_samples
 from tests.test_train_step import MODEL, VOCAB, _ds_config
 
 CHUNK = 8
@@ -42,14 +43,7 @@ CASES = {
 
 
 def _samples() -> list[Sample]:
-    rng = np.random.default_rng(11)
-    samples = []
-    for i, length in enumerate(LENGTHS):
-        ids = rng.integers(1, VOCAB, size=length)
-        labels = ids.copy()
-        labels[: length // 3] = IGNORE_INDEX
-        samples.append(Sample(sample_id=i, input_ids=ids, labels=labels))
-    return samples
+    return labelled_samples(LENGTHS, vocab=VOCAB, seed=11)
 
 
 def _plan(dp: int, cp: int, keep: int):

@@ -31,8 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from scheduling import CostModel, plan_step
-from scheduling.payload import IGNORE_INDEX, Cursor, Sample, build_rank_payloads
+from tests.planned_steps import planned_steps
 
 VOCAB = 96
 SPEC = {"name_or_path": "tiny-qwen2", "vocab_size": VOCAB, "hidden_size": 32, "num_layers": 2,
@@ -50,21 +49,8 @@ SYNCING_OPS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_
 
 
 def _payloads(cp_size: int) -> list:
-    cost = CostModel.from_model_dims(hidden_size=32, kv_hidden_size=16, num_layers=2)
-    payloads = []
-    for step, lengths in enumerate(LENGTHS, start=1):
-        rng = np.random.default_rng(step)
-        samples = []
-        for i, n in enumerate(lengths):
-            ids = rng.integers(1, VOCAB, size=n)
-            labels = ids.copy()
-            labels[: n // 3] = IGNORE_INDEX
-            samples.append(Sample(sample_id=i, input_ids=ids, labels=labels))
-        # bucket 32 per rank: the 40-token sequence is sharded over both ranks (the ring), short ones local
-        plan = plan_step("skrull", lengths, dp_size=1, cp_size=cp_size, bucket_size=32, cost=cost)
-        payloads.append(build_rank_payloads(plan, samples, step=step, epoch=0,
-                                            cursor=Cursor(epoch=0, rows=4 * step), plan_ms=0.0))
-    return payloads
+    # bucket 32 per rank: the 40-token sequence is sharded over both ranks (the ring), short ones local
+    return planned_steps(LENGTHS, vocab=VOCAB, bucket_size=32, cp_size=cp_size)
 
 
 class _Planner:

@@ -24,12 +24,10 @@ from __future__ import annotations
 import contextlib
 import os
 
-import numpy as np
 import pytest
 import torch
 
-from scheduling import CostModel, plan_step
-from scheduling.payload import IGNORE_INDEX, Cursor, Sample, build_rank_payloads
+from tests.planned_steps import planned_steps
 from tests.test_fast_step import SyncCounter, _count_host_reads
 
 VOCAB = 96
@@ -45,20 +43,7 @@ VARIANTS = {
 
 
 def _payloads() -> list:
-    cost = CostModel.from_model_dims(hidden_size=32, kv_hidden_size=16, num_layers=2)
-    payloads = []
-    for step, lengths in enumerate(LENGTHS, start=1):
-        rng = np.random.default_rng(step)
-        samples = []
-        for i, n in enumerate(lengths):
-            ids = rng.integers(1, VOCAB, size=n)
-            labels = ids.copy()
-            labels[: n // 3] = IGNORE_INDEX
-            samples.append(Sample(sample_id=i, input_ids=ids, labels=labels))
-        plan = plan_step("skrull", lengths, dp_size=1, cp_size=1, bucket_size=48, cost=cost)
-        payloads.append(build_rank_payloads(plan, samples, step=step, epoch=0,
-                                            cursor=Cursor(epoch=0, rows=5 * step), plan_ms=0.0)[0, 0])
-    return payloads
+    return [step[0, 0] for step in planned_steps(LENGTHS, vocab=VOCAB, bucket_size=48)]
 
 
 def _engine(name: str):

@@ -43,12 +43,11 @@ def owns(optimizer: Any) -> bool:
 
 def device_step_problem(optimizer: Any) -> str | None:
     """Why `device_step` cannot replace `optimizer.step` (None: it can)."""
-    missing = [name for name in REQUIRED if not hasattr(optimizer, name)]
-    if missing:
-        return f"this DeepSpeed's BF16_Optimizer lacks {', '.join(missing)}"
-    inner = optimizer.optimizer
-    if not isinstance(inner, torch.optim.AdamW) or not all(g.get("fused") for g in inner.param_groups):
-        return f"the wrapped optimizer is {type(inner).__name__} without fused=True"
+    from workers.zero_step import unfit_optimizer
+
+    problem = unfit_optimizer(optimizer, REQUIRED, "BF16_Optimizer")
+    if problem:
+        return problem
     if optimizer.grad_acc_dtype is not torch.float32:
         return f"gradients accumulate in {optimizer.grad_acc_dtype}, not fp32"
     for flag in ("has_moe_layers", "_uses_muon"):

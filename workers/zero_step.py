@@ -51,12 +51,9 @@ def device_step_problem(zero_optimizer: Any) -> str | None:
 
     if not isinstance(zero_optimizer, DeepSpeedZeroOptimizer):
         return f"the engine's optimizer is {type(zero_optimizer).__name__}, not DeepSpeed's ZeRO-1/2 one"
-    missing = [name for name in REQUIRED if not hasattr(zero_optimizer, name)]
-    if missing:
-        return f"this DeepSpeed's ZeRO optimizer lacks {', '.join(missing)}"
-    inner = zero_optimizer.optimizer
-    if not isinstance(inner, torch.optim.AdamW) or not all(g.get("fused") for g in inner.param_groups):
-        return f"the wrapped optimizer is {type(inner).__name__} without fused=True"
+    problem = unfit_optimizer(zero_optimizer, REQUIRED, "ZeRO optimizer")
+    if problem:
+        return problem
     for flag in ("cpu_offload", "zenflow", "has_moe_layers"):
         if getattr(zero_optimizer, flag, False):
             return f"DeepSpeed's {flag} is on"
@@ -64,6 +61,18 @@ def device_step_problem(zero_optimizer: Any) -> str | None:
         return "DeepSpeed runs torch autocast's gradient scaler"
     if float(zero_optimizer.loss_scale) != 1.0:
         return "fp16 loss scaling is on"
+    return None
+
+
+def unfit_optimizer(optimizer: Any, required: tuple[str, ...], kind: str) -> str | None:
+    """Why no device step fits `optimizer` by its make-up: DeepSpeed internals it lacks (another DeepSpeed
+    version), or a wrapped optimizer other than torch's fused AdamW (None: neither)."""
+    missing = [name for name in required if not hasattr(optimizer, name)]
+    if missing:
+        return f"this DeepSpeed's {kind} lacks {', '.join(missing)}"
+    inner = optimizer.optimizer
+    if not isinstance(inner, torch.optim.AdamW) or not all(g.get("fused") for g in inner.param_groups):
+        return f"the wrapped optimizer is {type(inner).__name__} without fused=True"
     return None
 
 
