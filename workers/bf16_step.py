@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from workers.zero_step import unfit_optimizer
+
 REQUIRED = ("fp32_groups_gradients_flat", "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition",
             "update_lp_params", "clear_hp_grads", "_lazy_init_hp_params_optimizer_state", "clip_grad",
             "grad_acc_dtype", "optimizer")
@@ -43,8 +45,6 @@ def owns(optimizer: Any) -> bool:
 
 def device_step_problem(optimizer: Any) -> str | None:
     """Why `device_step` cannot replace `optimizer.step` (None: it can)."""
-    from workers.zero_step import unfit_optimizer
-
     problem = unfit_optimizer(optimizer, REQUIRED, "BF16_Optimizer")
     if problem:
         return problem

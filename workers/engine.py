@@ -19,10 +19,10 @@ import torch.distributed as dist
 
 from workers import bf16_step
 from workers.deepspeed_import import import_deepspeed
+from workers.device_step import install_device_step
 from workers.loss import LOSS_HEAD
 from workers.lr_schedule import LrSchedule, scheduler_factory
 from workers.models import ModelSpec
-from workers.zero_step import install_device_step
 
 
 class _AdamWRequired(TypedDict):

@@ -55,11 +55,11 @@ from scheduling.payload import IGNORE_INDEX, MicroBatchPayload, RankPayload
 from workers.attention.runtime import AttentionRuntime
 from workers.batch import RankBatch, build_rank_batch
 from workers.chunkflow import micro_batch_units, run_chunked
+from workers.device_step import applied_flag
 from workers.distributed import ParallelGroups
 from workers.forward import micro_batch_loss_sum
 from workers.laps import Laps
 from workers.nonfinite import nan_if_nonfinite
-from workers.zero_step import applied_flag
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,13 +23,12 @@ product wants anyway (workers/lr_schedule.py `skip` advances it past a step Deep
 host learns later, on log steps: `applied` (not bad) and the norm (reported as inf when bad).
 
 Installed on an engine whose optimizer is DeepSpeed's ZeRO-1/2 optimizer around torch's fused AdamW,
-without CPU offload, fp16 loss scaling, Muon, ZenFlow or MoE (`install_device_step` says why not
-otherwise, and the engine keeps DeepSpeed's step).
+without CPU offload, fp16 loss scaling, Muon, ZenFlow or MoE (workers/device_step.py `install_device_step`
+says why not otherwise, and the engine keeps DeepSpeed's step).
 """
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -74,29 +73,6 @@ def unfit_optimizer(optimizer: Any, required: tuple[str, ...], kind: str) -> str
     if not isinstance(inner, torch.optim.AdamW) or not all(g.get("fused") for g in inner.param_groups):
         return f"the wrapped optimizer is {type(inner).__name__} without fused=True"
     return None
-
-
-def install_device_step(engine: Any) -> str | None:
-    """Replace the engine's optimizer step by the device step of its class: `device_step` for DeepSpeed's
-    ZeRO-1/2 optimizer, workers/bf16_step.py's for its BF16_Optimizer (ZeRO-1 with bf16 weights); returns
-    why not (None: installed)."""
-    from workers import bf16_step
-
-    optimizer = engine.optimizer
-    if bf16_step.owns(optimizer):
-        step, problem = bf16_step.device_step, bf16_step.device_step_problem(optimizer)
-    else:
-        step, problem = device_step, device_step_problem(optimizer)
-    if problem is None:
-        optimizer.step = types.MethodType(step, optimizer)
-        optimizer.skrull_applied = None
-    return problem
-
-
-def applied_flag(engine: Any) -> torch.Tensor | bool:
-    """The last step's `applied`: a device bool tensor under the device step, else DeepSpeed's host bool."""
-    flag = getattr(engine.optimizer, "skrull_applied", None)
-    return bool(engine.was_step_applied()) if flag is None else flag
 
 
 def _partition_grad(opt: Any, i: int) -> torch.Tensor:
