@@ -345,28 +345,27 @@ def test_rerunning_the_name_resumes_from_the_buckets_checkpoint(s3: S3Server, ru
 
 def _check_the_model_in_the_bucket(s3: S3Server, runs, resumed, keys: list[str]) -> None:
     """The first call (train.export_on_finish=false) left no model; the resumed one (the default) wrote
-    hf/ into the bucket from its workers, which gives the logits of `export`'s files of its final checkpoint
-    (both read back to local disk here) within 1e-6, and left no staging behind."""
+    hf/ into the bucket from its workers, which gives the logits of `export`'s files within 1e-6 (`export`
+    of the run directory in the bucket: its newest checkpoint, fetched to local disk), and left no staging
+    behind."""
     import tempfile
 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from app.model.export import _trained_template, write_export
+    from app.model.export import export
 
     assert runs["first"].export is None and not [k for k in runs["after_first"] if "hf" in k.split("/")[2]]
     assert resumed.export == s3.uri("runs/s3run/hf")
     assert not [k for k in keys if ".hf-export" in k]
     with tempfile.TemporaryDirectory() as tmp:
-        own, checkpoint, exported = Path(tmp, "hf"), Path(tmp, "checkpoint"), Path(tmp, "export")
+        own, exported = Path(tmp, "hf"), Path(tmp, "export")
         for key in (k for k in keys if k.startswith("runs/s3run/hf/")):
             (own / key[len("runs/s3run/hf/"):]).parent.mkdir(parents=True, exist_ok=True)
             s3.client.download_file(BUCKET, key, str(own / key[len("runs/s3run/hf/"):]))
-        Location.of(resumed.checkpoint).copy_to_local(checkpoint)
-        config = _run_config(s3, 4)
-        exported.mkdir()
-        write_export(config, checkpoint, "step4", exported, kind="model", dtype="fp32",
-                     template=_trained_template(resumed.run_dir, config))
+        # `export` reads the run directory in the bucket: its config, Ray Train's newest checkpoint (4)
+        result = export(resumed.run_dir, str(exported), dtype="fp32")
+        assert result.step == 4 and result.kind == "model"
         assert {p.name for p in own.iterdir()} == {p.name for p in exported.iterdir()}
         ids = torch.randint(0, 773, (1, 40), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():

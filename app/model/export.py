@@ -54,30 +54,36 @@ class ExportResult:
 
 @contextmanager
 def run_checkpoint(run_dir: str, checkpoint: str = "latest") -> Iterator[tuple[SkrullConfig, Path, Any]]:
-    """(config, local checkpoint directory, CheckpointState): all the reading of a run directory.
+    """(config, local checkpoint directory, CheckpointState): all the reading of a run directory, local or
+    on an object store (workers/storage.py Location).
 
     `latest` is the newest checkpoint Ray Train's own bookkeeping recorded as complete
     (`Result.from_path`, the checkpoint manager's snapshot: one cut off mid-write is never chosen); a PATH
-    is a `checkpoint_*` directory. The directory is yielded through `Checkpoint.as_directory()`, so a run
-    on remote storage is fetched to local disk for the duration.
+    is a `checkpoint_*` directory. A checkpoint on an object store is copied to a temporary local directory
+    for the duration (`Checkpoint.as_directory()` for `latest`).
     """
     from workers.checkpoints import STATE_FILE, CheckpointState
+    from workers.storage import Location
 
-    snapshot = Path(run_dir) / CONFIG_SNAPSHOT
-    if not snapshot.is_file():
+    run = Location.of(run_dir)
+    if not (run / CONFIG_SNAPSHOT).is_file():
         raise ConfigError(f"{run_dir!r} is not a run directory (no {CONFIG_SNAPSHOT}); pass the "
                           "<run.storage_path>/<run.name> directory that `train` wrote")
-    config = load_config(snapshot)
+    config = _snapshot_config(run / CONFIG_SNAPSHOT)
     if checkpoint != "latest":
-        if not Path(checkpoint, STATE_FILE).is_file():
+        chosen = Location.of(checkpoint)
+        if not (chosen / STATE_FILE).is_file():
             raise ConfigError(f"--checkpoint {checkpoint!r} is not a checkpoint directory (no {STATE_FILE}); "
                               "pass a checkpoint_* directory of the run, or latest")
-        yield config, Path(checkpoint), CheckpointState.read(checkpoint)
+        with _local_copy(chosen) as directory:
+            yield config, directory, CheckpointState.read(directory)
         return
     from ray.train import Result  # Train V2's (the default in Ray 2.60)
 
+    local = run.local
     try:
-        newest = Result.from_path(str(Path(run_dir).resolve())).checkpoint
+        newest = (Result.from_path(str(local.resolve())) if local is not None
+                  else Result.from_path(run.path, storage_filesystem=run.filesystem)).checkpoint
     except RuntimeError:
         newest = None
     if newest is None:
@@ -85,6 +91,27 @@ def run_checkpoint(run_dir: str, checkpoint: str = "latest") -> Iterator[tuple[S
                           "or the end of the run writes one) or pass --checkpoint PATH")
     with newest.as_directory() as directory:
         yield config, Path(directory), CheckpointState.read(directory)
+
+
+def _snapshot_config(snapshot: Any) -> SkrullConfig:
+    """The run's recorded config (a Location): loaded where it is, or from a local copy of its text."""
+    if snapshot.local is not None:
+        return load_config(snapshot.local)
+    with tempfile.TemporaryDirectory(prefix="skrull-export-") as scratch:
+        local = Path(scratch, CONFIG_SNAPSHOT)
+        local.write_text(snapshot.read_text())
+        return load_config(local)
+
+
+@contextmanager
+def _local_copy(directory: Any) -> Iterator[Path]:
+    """A Location's directory on local disk: itself, or a temporary copy of an object-store one."""
+    if directory.local is not None:
+        yield directory.local
+        return
+    with tempfile.TemporaryDirectory(prefix="skrull-export-checkpoint-") as scratch:
+        directory.copy_to_local(Path(scratch))
+        yield Path(scratch)
 
 
 def _check_out(out: str) -> Path:
