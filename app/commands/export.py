@@ -18,8 +18,8 @@ from app.commands.common import add_json_argument
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR",
-                        help="the run directory: <run.storage_path>/<run.name> (a local path or an object-store "
-                             "URI such as s3://bucket/runs/NAME)")
+                        help="the run directory: <run.storage_path>/<run.name> (a local path or an "
+                             "object-store URI such as s3://bucket/runs/NAME)")
     parser.add_argument("--checkpoint", default="latest", metavar="latest|PATH",
                         help="latest (default: the newest complete checkpoint) or a checkpoint_* directory")
     parser.add_argument("--out", required=True, metavar="DIR",
