@@ -972,8 +972,9 @@ def load_yaml(path: Path) -> Any:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> SkrullConfig:
     """Load a config YAML strictly, apply dotted overrides; every section validates itself.
 
-    An error is attributed to the config file when the file alone is already wrong, else to the first
-    `--set` override that makes it wrong, so the message names what the user typed.
+    The message is always the whole config's error. It is attributed to the config file when the file alone
+    is already wrong, else to the `--set` override that brings that error in (_blamed_override), so the
+    message names what the user typed.
     """
     tree: dict[str, Any] = {}
     source = "<defaults>"
@@ -996,12 +997,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _build(SkrullConfig, copy.deepcopy(tree), "")
     except ConfigError:
         raise ConfigError(f"{source}: {failure}") from None
+    blamed = _blamed_override(tree, parsed, str(failure))
+    if blamed is None:
+        raise ConfigError(f"{source} with its --set overrides: {failure}") from None
+    raise ConfigError(f"--set {redact_text(blamed)}: {failure}") from None  # as typed, without secrets
+
+
+def _blamed_override(tree: dict[str, Any], parsed: list[tuple[str, str, Any]], message: str) -> str | None:
+    """The override (as typed) that brings in the whole config's error `message`: the first whose prefix of
+    the overrides fails with that same message, else the last one whose key the message names, else None.
+
+    A prefix can fail for a reason a later override fixes (num_workers=1 before cp_size=1), so a prefix's
+    own error is not blamed unless it is the error the user sees."""
     for count, (text, _, _) in enumerate(parsed, start=1):
         try:
             _build_with_overrides(tree, [(key, value) for _, key, value in parsed[:count]])
-        except ConfigError as err:  # the override as typed, without a URI's secrets
-            raise ConfigError(f"--set {redact_text(text)}: {err}") from None
-    raise failure  # unreachable: the full set failed, so some prefix does
+        except ConfigError as err:
+            if str(err) == message:
+                return text
+    named = [text for text, key, _ in parsed if key in message]
+    return named[-1] if named else None
 
 
 def _build_with_overrides(tree: dict[str, Any], overrides: list[tuple[str, Any]]) -> SkrullConfig:

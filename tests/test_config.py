@@ -132,3 +132,17 @@ def test_a_word_yaml_reads_as_a_boolean_is_the_word_where_a_choice_is_meant(tmp_
     assert load_config(None, ["scheduling.calibration=off"]).scheduling.calibration == "off"
     with pytest.raises(ConfigError, match="scheduling.calibration=True is not one of: online, off"):
         load_config(None, ["scheduling.calibration=yes"])
+
+
+def test_an_error_names_the_override_that_brings_it_in_not_an_earlier_passing_one() -> None:
+    """num_workers=1 fails alone against the file's cp_size=8, and cp_size=1 fixes it: the error the user
+    sees is the torch backend on GPU workers, attributed to the override that asked for it."""
+    overrides = ["data.source=synthetic", "parallel.num_workers=1", "parallel.cp_size=1",
+                 "model.attention_backend=torch"]
+    with pytest.raises(ConfigError) as raised:
+        load_config("configs/qwen2.5-0.5b-gpu.yaml", overrides)
+    assert str(raised.value).startswith("--set model.attention_backend=torch: model.attention_backend=torch "
+                                        "runs on CPU only")
+    with pytest.raises(ConfigError, match=re.escape("--set parallel.num_workers=3: parallel.num_workers=3 is "
+                                                    "not divisible by parallel.cp_size=2")):
+        load_config("configs/tiny-cpu.yaml", ["parallel.num_workers=3"])
