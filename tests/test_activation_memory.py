@@ -96,7 +96,7 @@ def test_the_liger_set_keeps_what_its_source_saves() -> None:
                        layers=24, vocab=151936, element=2)
     liger, torch_set = kernel_set("liger").layer(shape), kernel_set("torch").layer(shape)
     norm = 2 * h + 4 + 2 * h
-    attention = 2 * h + 2 * hkv + 2 * hkv + 2 * h + 4 * heads + 2 * h
+    attention = 2 * h + 2 * hkv + 2 * hkv + 2 * h + 4 * heads  # o_proj saves a view of out
     assert liger.saved == 2 * norm + attention + 3 * 2 * inter
     assert liger.shared_input == 2 * h and liger.backward_extra == 2 * inter + 2 * 2 * h
     # the fp32 upcasts of both norms, SiLU's output

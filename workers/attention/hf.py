@@ -80,7 +80,9 @@ def dacp_attention_forward(
         out, _ = dacp_attention(query[b].transpose(0, 1), key[b].transpose(0, 1), value[b].transpose(0, 1),
                                 index, runtime, scale=scaling)
         outs.append(out)
-    return torch.stack(outs), None
+    # One row (every training call) as a view: o_proj then saves the attention's own saved output, not a
+    # stacked copy of it (one [T, H, D] activation less per layer).
+    return (outs[0][None] if batch == 1 else torch.stack(outs)), None
 
 
 def register_dacp_attention() -> str:

@@ -102,7 +102,8 @@ class TorchCpuKernel:
 
     def forward(self, q_THD, k_KGD, v_KGD, block, *, scale):
         num_t, heads, _ = q_THD.shape
-        out_THD = torch.zeros_like(q_THD)
+        # Contiguous whatever q's strides (as the CUDA kernels' outputs are): o_proj's input is then a view.
+        out_THD = torch.zeros(q_THD.shape, dtype=q_THD.dtype, device=q_THD.device)
         # Rows that see no key keep lse = -inf so a log-sum-exp merge ignores them (the aten op
         # would report 0 there: the lse = 0 trap, docs/design.md section 9).
         lse_HT = torch.full((heads, num_t), float("-inf"), dtype=torch.float32, device=q_THD.device)

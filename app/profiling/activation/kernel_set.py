@@ -66,12 +66,12 @@ class KernelSet(Protocol):
 
 
 def attention_parts(shape: ModelShape, *, q_copy: bool) -> dict[str, float]:
-    """What the DACP attention keeps (workers/attention/dacp.py saves q, k, v, out, lse; the HF glue's
-    torch.stack makes the copy o_proj saves), either kernel set. With a fused qkv projection v is a view
-    of the qkv output, which stays alive whole; `q_copy`: q and k are separate tensors from it then (the
-    rotary embedding wrote them), always true when the projections are separate."""
+    """What the DACP attention keeps (workers/attention/dacp.py saves q, k, v, out, lse; o_proj saves a
+    view of that same out: the HF glue returns it uncopied), either kernel set. With a fused qkv
+    projection v is a view of the qkv output, which stays alive whole; `q_copy`: q and k are separate
+    tensors from it then (the rotary embedding wrote them), always true when the projections are separate."""
     e, h, hkv = shape.element, shape.hidden, shape.kv_hidden
     parts = {"q": e * h if q_copy or not shape.fused_qkv else 0.0, "k": e * hkv}
     parts["v" if not shape.fused_qkv else "qkv"] = e * hkv if not shape.fused_qkv else e * (h + 2 * hkv)
-    parts.update({"attention_out": e * h, "attention_lse": 4.0 * shape.heads, "o_proj_input": e * h})
+    parts.update({"attention_out": e * h, "attention_lse": 4.0 * shape.heads})
     return parts

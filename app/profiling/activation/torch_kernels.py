@@ -2,8 +2,8 @@
 
     RMSNorm (upcast)  x.float() [4h, the input itself in fp32]; x * rsqrt(var) cast back [e h]; its
                       output, saved by the projections after it [e h]; rsqrt [4]
-    attention         q, k, v (after RoPE, whose products save only cos and sin), out, lse, o_proj's input
-                      (attention_parts)
+    attention         q, k, v (after RoPE, whose products save only cos and sin), out, lse; o_proj's
+                      input is a view of that out (attention_parts)
     gated MLP         gate [e I] (SiLU's input), SiLU(gate) and up [2 e I] (the product's inputs),
                       their product [e I] (down_proj's input)
     backward extra    the MLP's backward holds grad(gate*up), grad(SiLU(gate)) and grad(up) at once
