@@ -205,7 +205,8 @@ from app.profiling.memory import memory_terms
 from app.rundir.files import CONFIG_SNAPSHOT
 from app.train.report import run_report
 
-run_dir = json.loads(Path(sys.argv[1]).read_text())["run_dir"]
+summary = json.loads(Path(sys.argv[1]).read_text())
+run_dir = summary["run_dir"]
 report, config = run_report(run_dir), load_config(Path(run_dir) / CONFIG_SNAPSHOT)
 history, cost = report["history"], cost_model(config)
 world = int(history[-1]["world_size"])
@@ -222,8 +223,15 @@ measured = max(peaks) if peaks else None
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 keys = ("status", "steps", "tokens", "loss_first", "loss_last", "tokens_per_s", "tokens_per_s_median",
         "mfu_median", "step_s_median", "predicted_step_s_median", "profile_ratio")
+# Where the call's wall time went: the steps, the first step's engine build and warm-up, the rest (Ray,
+# data, the planner, the final checkpoint and export).
+steps_s = sum(h["step_s"] for h in history)
+startup = {key: history[0].get(key) for key in ("engine_s", "warmup_s")}
+wall = {"wall_s": summary.get("wall_s"), "steps_s": steps_s, **startup,
+        "other_s": summary["wall_s"] - steps_s - sum(v or 0 for v in startup.values())
+        if summary.get("wall_s") else None}
 result = {
-    "run_dir": run_dir, **{key: report[key] for key in keys},
+    "run_dir": run_dir, **{key: report[key] for key in keys}, "time": wall,
     "profile": config.hardware.profile, "peak_flops": cost.profile.peak_flops,
     "gpu_peak_bytes": measured, "predicted_peak_bytes": predicted,
     "gpu_peak_over_predicted": None if measured is None else measured / predicted,
@@ -254,6 +262,9 @@ print(f"  step time   {num(r['step_s_median'])} s measured, {num(r['predicted_st
       f"(medians; hardware.profile={config.hardware.profile}, predicted / measured {num(r['profile_ratio'])})")
 print(f"  GPU memory  {gb(measured)} peak allocated, {gb(predicted)} predicted (static, runtime and "
       f"loss {gb(static)} + {alpha / 1e3:.0f} KB/token x bucket {bucket}; recompute {terms.recompute})")
+print(f"  wall time   {num(wall['wall_s'], '.0f')} s: steps {num(steps_s, '.0f')} s, engine "
+      f"{num(wall['engine_s'], '.1f')} s, warm-up {num(wall['warmup_s'], '.1f')} s, the rest (Ray, data, the "
+      f"final checkpoint and export) {num(wall['other_s'], '.0f')} s")
 print(f"train.json: {sys.argv[2]}")
 if r["status"] != "finished":
     sys.exit(f"gpu_check train: the run is {r['status']!r}, not finished")

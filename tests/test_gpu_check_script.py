@@ -215,6 +215,14 @@ def test_the_train_stage_runs_its_command_line_on_cpu(tmp_path: Path) -> None:
     assert config["parallel"]["num_workers"] == 1 and config["parallel"]["cp_size"] == 1
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) >= 1 and not any("gpu_peak_bytes" in r for r in records)
+    # Where the wall time went: the steps, the first step's start-up (its record only), the rest
+    time = report["time"]
+    assert time["engine_s"] == records[0]["engine_s"] > 0 and time["warmup_s"] == records[0]["warmup_s"] > 0
+    assert not any("engine_s" in r for r in records[1:])
+    assert time["steps_s"] == pytest.approx(sum(r["step_s"] for r in records))
+    assert time["other_s"] > 0 and time["wall_s"] == pytest.approx(
+        time["steps_s"] + time["engine_s"] + time["warmup_s"] + time["other_s"])
+    assert "  wall time   " in result.stdout
     assert "train: 2 steps (finished)" in result.stdout
     assert f"train.json: {out / 'train.json'}" in result.stdout
 

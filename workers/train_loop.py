@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,7 +55,7 @@ from workers.lr_schedule import LrSchedule
 from workers.metrics import MetricsWindow
 from workers.models import ModelSpec
 from workers.nonfinite import NonFiniteGuard, NonFinitePolicy, knob_values
-from workers.step import StepStats, run_step
+from workers.step import StepStats, run_step, synchronize
 from workers.storage import Location
 from workers.warmup import warm_up
 from workers.zero_step import place_step_counters
@@ -299,9 +300,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if is_rank0:
         _start_group(settings, groups, resume, session)
     dist.barrier(group=groups.world_group)  # nobody fetches before the planner restarted
+    started = time.perf_counter()
     engine = _engine(settings, device, groups, checkpoint, resume, context.get_local_rank())
     _train(settings, engine, groups, device, resumed=resume.step if resume else 0, session=session,
-           is_rank0=is_rank0)
+           is_rank0=is_rank0, engine_s=time.perf_counter() - started)
 
 
 def _exported(settings: WorkerSettings, groups: ParallelGroups, step: int) -> bool:
@@ -312,9 +314,11 @@ def _exported(settings: WorkerSettings, groups: ParallelGroups, step: int) -> bo
 
 
 def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGroups, device: torch.device,
-           *, resumed: int, session: str, is_rank0: bool) -> None:
+           *, resumed: int, session: str, is_rank0: bool, engine_s: float = 0.0) -> None:
     """Steps resumed+1 .. total_steps: fetch, step, log window, report (with a checkpoint when due); stops
-    early, on every rank alike, at a non-finite step or a checkpoint that could not be written."""
+    early, on every rank alike, at a non-finite step or a checkpoint that could not be written. The first
+    step this start reports carries its start-up: `engine_s` (the engine built, the checkpoint loaded) and
+    `warmup_s` (the warm-up micro-batch, to the device's end of it)."""
     planner = PlannerClient(settings.planner, timeout_s=settings.planner_timeout_s)
     window = MetricsWindow(spare=groups.is_spare)
     guard = NonFiniteGuard(settings.nonfinite, knob_values(settings.deepspeed), last_checkpoint_step=resumed)
@@ -324,12 +328,22 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
     eval_set = EvalSet.fetch(settings.planner, groups, timeout_s=settings.planner_timeout_s) \
         if settings.eval_every else None
     observe = planner.observe if is_rank0 and settings.calibration else None
-    warm_up(engine, groups, device, tokens=settings.warmup_tokens,
-            loss_chunk_tokens=settings.loss_chunk_tokens)
+    startup = {"engine_s": engine_s, "warmup_s": _timed_warm_up(settings, engine, groups, device)}
+    if is_rank0:
+        print(f"[skrull] engine ready in {engine_s:.1f} s, warm-up micro-batch {startup['warmup_s']:.1f} s",
+              flush=True)
+
+    def flushed() -> list[dict[str, Any]]:
+        metrics = [m | shape for m in window.flush(groups.world_group)]
+        if metrics:  # the start-up once, on this start's first reported step
+            metrics[0] |= startup
+            startup.clear()
+        return metrics
+
     for step in range(resumed + 1, last + 1):
         fetched, _ = fetch_and_step(settings, planner, engine, groups, device, window, step, guard=guard)
         if guard.stop is not None:  # its samples were never trained on: samples.jsonl does not get them
-            metrics = [m | shape for m in window.flush(groups.world_group)]
+            metrics = flushed()
             metrics[-1]["stopped"] = guard.stop
             _report(metrics, engine, fetched.payload, groups, save=False, run_dir=settings.run_dir)
             return
@@ -340,7 +354,7 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
         # its eval_loss goes into that step's metrics, the last of the window.
         evaluate = eval_set is not None and is_eval_step(step, last, settings.eval_every)
         if save or evaluate or step % settings.log_every == 0:
-            metrics = [m | shape for m in window.flush(groups.world_group)]
+            metrics = flushed()
             for warning in guard.review(metrics):  # the device step's flags, judged now (nonfinite.py)
                 if is_rank0:
                     print(warning, flush=True)
@@ -360,6 +374,16 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
                 guard.last_checkpoint_step = step
     if settings.export_on_finish:  # every step trained and the last one checkpointed
         export_engine(engine, settings.model, settings.run_dir, step=last, group=groups.world_group)
+
+
+def _timed_warm_up(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGroups,
+                   device: torch.device) -> float:
+    """warm_up's seconds, to the device's end of it (one sync before step 1, outside any step)."""
+    started = time.perf_counter()
+    warm_up(engine, groups, device, tokens=settings.warmup_tokens,
+            loss_chunk_tokens=settings.loss_chunk_tokens)
+    synchronize(device)
+    return time.perf_counter() - started
 
 
 def fetch_and_step(settings: WorkerSettings, planner: PlannerClient, engine: DeepSpeedEngine,

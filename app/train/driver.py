@@ -15,7 +15,8 @@ from __future__ import annotations
 import _thread
 import signal
 import sys
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -64,6 +65,9 @@ class TrainSummary:
     """<run_dir>/hf/, the trained model as a Hugging Face directory (train.export_on_finish), or None."""
     history: list[dict[str, float]]
     """Every step's reported metrics (loss, tokens_per_s, step_s, planner_wait_s, ...), in step order."""
+    wall_s: float = 0.0
+    """This call's wall seconds, from its start to the summary: with the steps' step_s and the first step's
+    engine_s and warmup_s, what a run spends outside its steps (Ray, data, start-up, the final save)."""
 
     @property
     def losses(self) -> list[float]:
@@ -90,13 +94,15 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     Ctrl-C and SIGTERM stop the call alike (RunInterrupted). The run's lock (app/rundir/lock.py) is held
     from before its first write to the end: a second call on the same run stops with RunLocked.
     """
+    started = time.monotonic()
     check_model_source(config.model)  # a hub id's config.json into the local cache: the dimensions' source
     config = _with_bucket_size(config, out)
     name = run_name(config)
     try:
         with sigterm_stops_like_ctrl_c():
-            return _train_locked(config, name, progress=progress, quiet=quiet, worker_logs=worker_logs,
-                                 out=out)
+            summary = _train_locked(config, name, progress=progress, quiet=quiet, worker_logs=worker_logs,
+                                    out=out)
+            return replace(summary, wall_s=time.monotonic() - started)
     except KeyboardInterrupt as err:  # Ray (embedded: every process of it) is already shut down here
         stopped_by = signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
         raise RunInterrupted(name, run_location_of(config, name), stopped_by) from err
