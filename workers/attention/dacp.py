@@ -57,8 +57,10 @@ def dacp_attention_forward_parts(q_THD: torch.Tensor, k_KGD: torch.Tensor, v_KGD
                                 runtime.comm_for(r.degree), scale) for r in rings]
     results = run_rings(steps, local, concurrent=overlap)  # runs local() too, rings or not
     outs = [parts["local"], *results]
-    if len(outs) == 1:  # no ring: the local kernel's own tensors (a cat of one would copy them)
-        return outs[0]
+    if len(outs) == 1:  # no ring: the local kernel's own tensors, contiguous as a cat would make them
+        # (the custom op's fake says so), copied only where the kernel followed odd strides of q
+        out_THD, lse_HT = outs[0]
+        return out_THD.contiguous(), lse_HT.contiguous()
     return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs], dim=1)
 
 
@@ -82,8 +84,9 @@ def dacp_attention_backward_parts(dout_THD: torch.Tensor, q_THD: torch.Tensor, k
              for r in rings]
     results = run_rings(steps, local, concurrent=overlap)  # runs local() too, rings or not
     parts = [grads["local"], *results]
-    if len(parts) == 1:  # no ring: the local gradients as the kernel made them, uncopied
-        return parts[0]
+    if len(parts) == 1:  # no ring: the local gradients, copied only where not contiguous (as above)
+        dq, dk, dv = parts[0]
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
     dq, dk, dv = (torch.cat([p[i] for p in parts]) for i in range(3))
     return dq, dk, dv
 
