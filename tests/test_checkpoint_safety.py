@@ -225,6 +225,29 @@ def test_copy_into_a_full_filesystem_raises_enospc(tmp_path: Path) -> None:
         (tmp_path / "small").chmod(0o755)
 
 
+def test_copy_into_the_same_filesystem_renames_every_file_into_place(tmp_path: Path) -> None:
+    """A shard on the run's own filesystem moves without copying its bytes: the same inodes land below the
+    target, nested paths kept, and an existing target directory (another rank's files) is kept too."""
+    from pyarrow import fs
+
+    from workers.checkpoint_files import copy_into
+
+    shard = tmp_path / "shard"
+    (shard / "step1").mkdir(parents=True)
+    files = {"latest": b"step1", "step1/optim.pt": os.urandom(1 << 16)}
+    for name, data in files.items():
+        (shard / name).write_bytes(data)
+    inodes = {name: (shard / name).stat().st_ino for name in files}
+    target = tmp_path / "run" / "checkpoint_x"
+    (target / "step1").mkdir(parents=True)
+    (target / "step1" / "other_rank.pt").write_bytes(b"kept")
+    copy_into(shard, fs.LocalFileSystem(), str(target))
+    for name, data in files.items():
+        assert (target / name).read_bytes() == data and (target / name).stat().st_ino == inodes[name]
+    assert (target / "step1" / "other_rank.pt").read_bytes() == b"kept"
+    assert not any(p.is_file() for p in shard.rglob("*"))
+
+
 # ------------------------------------------------------------------------- end to end (slow, Ray)
 
 OVERRIDES = ["run.name=full", "data.num_samples=40", "data.length_scale=0.1",
