@@ -156,7 +156,10 @@ def test_a_read_while_another_process_replaces_the_object_is_one_whole_version(s
     writer.start()
     try:
         where = Location.of(s3.uri(key))
-        seen = [where.read_bytes() for _ in range(150)]
+        seen: list[bytes] = []
+        deadline = time.monotonic() + 30  # reads until the writer has replaced the object 20 times
+        while (len(seen) < 150 or len(written) <= 20) and time.monotonic() < deadline:
+            seen.append(where.read_bytes())
     finally:
         stop.set()
         writer.join(timeout=30)
