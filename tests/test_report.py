@@ -143,7 +143,7 @@ def test_a_uri_mlflow_refuses_is_a_config_error_and_writes_nothing(tmp_path: Pat
 def test_report_counts_restarts_within_a_train_call_and_resumes_across_calls(tmp_path: Path) -> None:
     from app.rundir.snapshot import write_snapshot
     from app.sinks.run_log import RunLog, WorkerStartsLog
-    from app.train.report import run_report
+    from app.train.report import report_lines, run_report
 
     write_snapshot(load_config("configs/tiny-cpu.yaml"), tmp_path, template=None)
     log = RunLog(tmp_path)
@@ -151,9 +151,15 @@ def test_report_counts_restarts_within_a_train_call_and_resumes_across_calls(tmp
     for starts, session, resumed in ((first, "a", 0), (first, "b", 2), (second, "c", 3)):
         starts.write({"session": session, "resumed_from_step": resumed})
     for step, session in ((1, "a"), (2, "a"), (3, "a"), (3, "b"), (4, "c")):  # b re-trained step 3
-        log.write({"step": step, "loss": 10.0 - step, "session": session, "tokens": 100, "step_s": 1.0})
+        opens = (step, session) in ((1, "a"), (3, "b"), (4, "c"))  # each start's first reported step
+        first = {"engine_s": 5.0 + step, "warmup_s": 0.5} if opens else {}
+        log.write({"step": step, "loss": 10.0 - step, "session": session, "tokens": 100, "step_s": 1.0,
+                   **first})
     report = run_report(tmp_path)
     assert (report["starts"], report["restarts"], report["resumes"]) == (3, 1, 1)
+    assert [(u["step"], u["engine_s"]) for u in report["start_ups"]] == [(1, 6.0), (3, 8.0), (4, 9.0)]
+    assert "start-up  engine 9.0 s, warm-up 0.5 s before step 4 (the newest of 3 starts)" in \
+        "\n".join(report_lines(report))
     assert [h["session"] for h in report["history"]] == ["a", "a", "b", "c"]
     assert (report["status"], report["tokens"], report["tokens_per_s"]) == ("finished", 400, 100.0)
     assert report["predicted_step_s_median"] is None and report["profile_ratio"] is None  # not recorded
@@ -233,6 +239,10 @@ def test_report_json_is_the_runs_history_from_the_run_directory_alone(watched_ru
     text = _report(copy)
     assert f"run {run_dir.name}: finished, step {STEPS} of {STEPS}" in text
     assert "restarts  0 (1 worker-group starts, 0 resumes)" in text
+    engine_s = summary.history[0]["engine_s"]
+    warmup_s = summary.history[0]["warmup_s"]
+    assert report["start_ups"] == [{"step": 1, "engine_s": engine_s, "warmup_s": warmup_s}]
+    assert f"start-up  engine {engine_s:.1f} s, warm-up " in text and engine_s > 0
     assert f"lr        {lrs[0]:.3g} -> {lrs[-1]:.3g} (max {max(lrs):.3g})" in text
     assert len(text.splitlines()) <= 24  # one screen
 

@@ -24,6 +24,9 @@ worker group re-trains the steps after its checkpoint) counts once, with its las
     planner_ahead_steps_median, planner_ahead_steps_min, planner_wait_s_median, plan_ms_median,
     starts (worker-group starts), restarts (starts beyond the first of each `train` call: failures and
     elastic resizes), resumes (`train` calls beyond the first),
+    start_ups ([{step, engine_s, warmup_s}] of every start that reported a step, in order: the engine
+    built and the checkpoint loaded, then the warm-up micro-batch; runs from before these were recorded:
+    []),
     rank_compute_s_mean (per world rank, over the steps of the newest group shape; null: a spare rank),
     calibration (scheduling.calibration=online: {fits, steps, factors, profile} of the newest fit and
     step_error_first / step_error_last, the median |predicted - measured| / measured over the first and
@@ -165,9 +168,17 @@ def run_report(run_dir: str | Path) -> dict[str, Any]:
         "planner_wait_s_median": _median(_values(history, "planner_wait_s")),
         "plan_ms_median": _median(_values(history, "plan_ms")),
         "starts": len(run["starts"]), "restarts": restarts, "resumes": resumes,
+        "start_ups": start_ups(run["records"]),
         "rank_compute_s_mean": rank_compute_means(history), "calibration": calibration_summary(history),
         "data": run["data"], "history": history,
     }
+
+
+def start_ups(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The start-up of each worker-group start: the first step it reported carries engine_s and warmup_s
+    (every record, not the deduplicated history: a restart's re-trained step keeps its own start's)."""
+    return [{"step": r.get("step"), "engine_s": r["engine_s"], "warmup_s": r.get("warmup_s")}
+            for r in records if "engine_s" in r]
 
 
 def _lr_fields(lrs: list[float]) -> dict[str, float | None]:
@@ -220,6 +231,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         f"(min {_fmt(r['planner_ahead_steps_min'], 'g')}), wait median {_fmt(r['planner_wait_s_median'])} s, "
         f"plan {_fmt(r['plan_ms_median'])} ms",
         f"restarts  {r['restarts']} ({r['starts']} worker-group starts, {r['resumes']} resumes)",
+        *_start_up_lines(r["start_ups"]),
     ]
     lines += _calibration_lines(r)
     busy = r["rank_compute_s_mean"]
@@ -227,6 +239,15 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         ranks = ", ".join(f"{rank}: {_fmt(s)}" for rank, s in enumerate(busy))
         lines.append(f"busy s    per rank, mean compute per step: {ranks}")
     return lines
+
+
+def _start_up_lines(ups: list[dict[str, Any]]) -> list[str]:
+    if not ups:
+        return []
+    newest = ups[-1]
+    which = f" (the newest of {len(ups)} starts)" if len(ups) > 1 else ""
+    engine, warm = _fmt(newest["engine_s"], ".1f"), _fmt(newest["warmup_s"], ".1f")
+    return [f"start-up  engine {engine} s, warm-up {warm} s before step {newest['step']}{which}"]
 
 
 def _calibration_lines(r: dict[str, Any]) -> list[str]:
