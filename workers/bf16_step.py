@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from workers.zero_step import unfit_optimizer
+from workers.zero_step import global_norm, unfit_optimizer
 
 REQUIRED = ("fp32_groups_gradients_flat", "fp32_groups_flat_partition", "fp32_groups_gradient_flat_partition",
             "update_lp_params", "clear_hp_grads", "_lazy_init_hp_params_optimizer_state", "clip_grad",
@@ -61,12 +61,7 @@ def device_step_problem(optimizer: Any) -> str | None:
 def device_step(opt: Any, closure: Any = None) -> None:
     """`BF16_Optimizer.step` without host synchronization (module docstring); bound as a method."""
     opt.overflow = False  # the engine's view: the skip happens on the device
-    squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32)
-                           for g in opt.fp32_groups_gradients_flat]).square().sum()
-    norm = squares.sqrt()
-    bad = ~torch.isfinite(norm)
-    opt._global_grad_norm = torch.where(bad, torch.full_like(norm, float("inf")), norm)
-    opt.skrull_applied = ~bad
+    norm, bad = global_norm(opt, list(opt.fp32_groups_gradients_flat))  # all-reduced already: no group
     # DeepSpeed's clip_tensors_by_global_norm (x * max_norm / (norm + 1e-6) when that is < 1), on the device
     coef = torch.clamp(opt.clip_grad / (norm + 1e-6), max=1.0) if opt.clip_grad > 0 else None
     for master, grad in zip(opt.fp32_groups_flat_partition, opt.fp32_groups_gradient_flat_partition,

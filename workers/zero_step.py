@@ -75,6 +75,20 @@ def unfit_optimizer(optimizer: Any, required: tuple[str, ...], kind: str) -> str
     return None
 
 
+def global_norm(opt: Any, grads: list[torch.Tensor], group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm, bad) of `grads` on the device: one norm kernel per tensor, their squares summed (and summed
+    over `group` when given: partitions), bad = not finite; records what the engine and the host read on
+    `opt` (`_global_grad_norm`, inf when bad; `skrull_applied`)."""
+    squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+    if group is not None:
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+    norm = squares.sqrt()
+    bad = ~torch.isfinite(norm)
+    opt._global_grad_norm = torch.where(bad, torch.full_like(norm, float("inf")), norm)
+    opt.skrull_applied = ~bad
+    return norm, bad
+
+
 def _partition_grad(opt: Any, i: int) -> torch.Tensor:
     """This rank's flat gradient partition of group i in the master dtype, as DeepSpeed's step builds it."""
     flat = opt._get_preflattened_grad_partition(i)
@@ -98,12 +112,7 @@ def device_step(opt: Any, closure: Any = None) -> None:
     for i in groups:
         opt.free_grad_in_param_list(opt.params_not_in_partition[i])
     grads = [_partition_grad(opt, i) for i in groups]
-    squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
-    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=opt.dp_process_group)
-    norm = squares.sqrt()
-    bad = ~torch.isfinite(norm)
-    opt._global_grad_norm = torch.where(bad, torch.full_like(norm, float("inf")), norm)
-    opt.skrull_applied = ~bad
+    norm, bad = global_norm(opt, grads, group=opt.dp_process_group)
     if opt.clip_grad > 0:
         clip = torch.clamp((norm + 1e-6) / opt.clip_grad, min=1.0)
         for g in grads:
