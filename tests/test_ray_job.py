@@ -167,3 +167,4 @@ def test_embedded_train_beside_a_running_cluster_is_quiet(quiet_run: QuietRun) -
     assert stderr.startswith("data: ") and "trained 2 steps" in stdout
     assert "Reporting training result" in log and "Started a local Ray instance" in log
     assert "multiple active Ray instances" not in log and "Traceback" not in log
+    assert log.count("[skrull] engine ready in ") == 1, log[-3000:]  # a worker's print reaches it once

@@ -40,10 +40,12 @@ def fit_with_progress(config: SkrullConfig, trainer: TorchTrainer, monitor: Acto
     from app.sinks.run_log import WorkerStartsLog
     from app.train.progress import ProgressBar
 
+    # Ray Train hands both variables to its controller and workers from the driver's environment.
     # ray.train.report is a barrier of Ray Train's own (not torch's), without a timeout by default: a peer
-    # hung between two collectives would hang it. It reads its timeout from this variable, which Ray Train
-    # hands to its controller from the driver's environment.
-    timeout = {"RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(config.train.collective_timeout_s)}
+    # hung between two collectives would hang it. Ray Train's print patch tees a worker's print to stdout
+    # and to its logger's stderr, so every line a worker prints would reach the driver's log twice.
+    environment = {"RAY_TRAIN_COLLECTIVE_TIMEOUT_S": str(config.train.collective_timeout_s),
+                   "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
     if run_dir is None:
         sinks: contextlib.AbstractContextManager[tuple[Any, ...]] = contextlib.nullcontext(())
         starts, checks = (), ()
@@ -54,7 +56,7 @@ def fit_with_progress(config: SkrullConfig, trainer: TorchTrainer, monitor: Acto
         checks = (_profile_check(config, run_dir, total_steps),)
     with sinks as opened, ProgressBar(monitor, total_steps, enabled=progress, file=out,
                                       sinks=tuple(sink.write for sink in opened), start_sinks=starts,
-                                      line_sinks=checks) as bar, _environment(timeout):
+                                      line_sinks=checks) as bar, _environment(environment):
         result = _fit_interruptibly(trainer)
     return result, bar.history
 
