@@ -117,6 +117,30 @@ def read_row_table(dataset: Any) -> RowTable:
     return RowTable.from_tables(dataset.iter_batches(batch_size=None, batch_format="pyarrow"))
 
 
+@dataclass(frozen=True)
+class PlannerData:
+    """The planner's datasets by reference: what `train` hands the PlannerActor's constructor.
+
+    Ray restarts a crashed actor by running its constructor again with the same arguments. An argument too
+    large to travel inside the task (a materialized Dataset of 64 blocks pickles to about 1.7 MB; Ray's
+    inline limit is 100 KiB) goes to the object store, where Ray keeps it only for the first construction
+    (ray-project/ray#53727), so the restart would fail. This box pickles to a few hundred bytes whatever the
+    data; its creator holds it, and with it the datasets, for as long as the actor may restart.
+    """
+
+    train: ray.ObjectRef
+    eval: ray.ObjectRef | None = None
+    """data.eval_path's dataset (EvalSource); None: the eval set, if any, is held out of `train`."""
+
+    @classmethod
+    def put(cls, dataset: Any, eval_dataset: Any = None) -> PlannerData:
+        return cls(ray.put(dataset), None if eval_dataset is None else ray.put(eval_dataset))
+
+    def datasets(self) -> tuple[Any, Any]:
+        """(training dataset, eval dataset or None)."""
+        return ray.get(self.train), None if self.eval is None else ray.get(self.eval)
+
+
 class PlannerError(RuntimeError):
     """The planner could not produce a step (data ran out, or no valid plan); workers re-raise it."""
 
@@ -138,6 +162,9 @@ class PlannerActor:
         first_step: int = 1,
         eval_dataset: Any = None,
     ) -> None:
+        """`dataset`: a PlannerData (a restartable actor's), or the training dataset itself."""
+        if isinstance(dataset, PlannerData):
+            dataset, eval_dataset = dataset.datasets()
         self._dataset = dataset
         self._rows: RowTable | None = None
         self._stream: StreamRows | None = None

@@ -198,6 +198,7 @@ def test_an_eval_path_dataset_is_read_apart_and_planned_whole(eval_run, tmp_path
     from app.train.components import planner_actor
     from app.train.dataset import prepared_data
     from app.train.preflight import preflight
+    from scheduling.actor import PlannerData
 
     chats = [[{"role": "user", "content": f"question {i} " * (i + 1)},
               {"role": "assistant", "content": f"answer {i} " * (2 * i + 1)}] for i in range(5)]
@@ -208,7 +209,7 @@ def test_an_eval_path_dataset_is_read_apart_and_planned_whole(eval_run, tmp_path
     data = prepared_data(config, preflight(config), progress=True, out=out, embedded=True)
     assert (data.usable_rows, data.eval_rows) == (NUM_SAMPLES, 5), out.getvalue()  # nothing held out
     eval_rows = list(data.eval_dataset.iter_rows())
-    planner = planner_actor(config, data.dataset, 1, "eval-path", eval_dataset=data.eval_dataset)
+    planner = planner_actor(config, PlannerData.put(data.dataset, data.eval_dataset), 1, "eval-path")
     try:
         payloads = [ray.get(ray.get(planner.eval_payloads.remote(1, 0, 0, cp))[0]) for cp in (0, 1)]
     finally:

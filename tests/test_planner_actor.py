@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -10,7 +11,13 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from scheduling import CostModel  # noqa: E402
-from scheduling.actor import PlannerActor, PlannerClient, PlannerError, PlannerSettings  # noqa: E402
+from scheduling.actor import (  # noqa: E402
+    PlannerActor,
+    PlannerClient,
+    PlannerData,
+    PlannerError,
+    PlannerSettings,
+)
 from scheduling.payload import Cursor, RankPayload  # noqa: E402
 
 COST = CostModel.from_model_dims(hidden_size=64, kv_hidden_size=32, num_layers=2)
@@ -126,6 +133,45 @@ def test_a_dead_planner_is_reported_as_such(local_ray) -> None:
     ray.kill(planner)
     with pytest.raises(PlannerError, match="the planner actor died before step 1"):
         PlannerClient(planner, timeout_s=30).fetch(1, 0, 0)
+
+
+def _restarted(planner, session: str, start: Cursor, first_step: int, timeout_s: float = 60.0) -> None:
+    """Wait until Ray runs the killed actor again (its constructor's error says so: ray.kill returns before
+    the old process is gone), then `restart` it as a restarted worker group does."""
+    deadline = time.monotonic() + timeout_s
+    while "restarted after a crash" not in str(_stats_while_restarting(planner)["error"]):
+        assert time.monotonic() < deadline, "the planner actor did not restart"
+        time.sleep(0.2)
+    ray.get(planner.restart.remote(session, start, first_step, 2), timeout=timeout_s)
+
+
+def _stats_while_restarting(planner) -> dict:
+    try:
+        return ray.get(planner.stats.remote(), timeout=30)
+    except ray.exceptions.ActorUnavailableError:
+        return {"error": None}
+
+
+def test_a_crashed_planner_restarts_with_a_dataset_too_large_to_travel_inline(local_ray) -> None:
+    """Ray restarts a crashed actor by running its constructor again with the same arguments. A dataset of
+    64 blocks pickles to more than Ray's 100 KiB inline limit, and Ray keeps such an argument in the object
+    store only for the first construction (ray-project/ray#53727). A mapped dataset (as the tokenized one
+    is) carries its map's statistics: 64 blocks pickle to about 1.8 MB. Handed over as PlannerData (what
+    `train` does), the restarted planner has its data and continues from the cursor it is given."""
+    dataset = ray.data.from_items(_rows(640), override_num_blocks=64).map_batches(
+        lambda batch: batch, batch_size=None).materialize()
+    assert len(ray.cloudpickle.dumps(dataset)) > 100 * 1024  # as an argument it would go to the object store
+    data = PlannerData.put(dataset)
+    planner = PlannerActor.options(max_restarts=-1, max_task_retries=0).remote(data, _settings(), COST)
+    try:
+        steps = {step: _fetch_all_ranks(planner, step) for step in (1, 2)}
+        time.sleep(2)  # Ray frees a constructor argument it holds some time after the construction
+        ray.kill(planner, no_restart=False)
+        _restarted(planner, "group-2", steps[1][0, 0].cursor, 2)
+        assert {r: _digest(p) for r, p in _fetch_all_ranks(planner, 2).items()} == \
+            {r: _digest(p) for r, p in steps[2].items()}
+    finally:
+        ray.kill(planner)
 
 
 # ------------------------------------------------------------------------------------------- data.shuffle

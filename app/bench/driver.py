@@ -141,6 +141,7 @@ def _run(config: SkrullConfig, data: ResolvedData, policies: tuple[str, ...], st
     from app.train.dataset import prepared_data
     from app.train.fit import fit_with_progress
     from app.train.run_monitor import RunMonitor
+    from scheduling.actor import PlannerData
     from workers.bench_loop import BenchSettings, bench_loop_per_worker
 
     warmup = uncounted_steps(config)
@@ -150,7 +151,8 @@ def _run(config: SkrullConfig, data: ResolvedData, policies: tuple[str, ...], st
     with ray_session(config, worker_logs=worker_logs) as embedded:
         prepared = prepared_data(config, data, progress=progress, out=out, embedded=embedded,
                                  planners=len(policies))
-        planners = tuple((p, planner_actor(_with_policy(config, p), prepared.dataset, total, f"{name}-{p}",
+        planner_data = PlannerData.put(prepared.dataset)  # one copy for every policy's planner
+        planners = tuple((p, planner_actor(_with_policy(config, p), planner_data, total, f"{name}-{p}",
                                            tokenizer=data.tokenizer)) for p in policies)
         monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
         worker = worker_settings(config, None, monitor, total, str(run_dir), tokenizer=data.tokenizer)

@@ -16,10 +16,10 @@ from workers.storage import Location
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
-    from ray.data import Dataset
     from ray.train.torch import TorchTrainer
 
     from app.data.tokenizer import TextTokenizer
+    from scheduling.actor import PlannerData
     from workers.lr_schedule import LrSchedule
     from workers.train_loop import WorkerSettings
 
@@ -42,16 +42,17 @@ def total_steps_of(config: SkrullConfig, usable_rows: int) -> int:
     return steps
 
 
-def planner_actor(config: SkrullConfig, dataset: Dataset, total_steps: int, name: str,
-                  eval_dataset: Dataset | None = None, *,
+def planner_actor(config: SkrullConfig, data: PlannerData, total_steps: int, name: str, *,
                   tokenizer: TextTokenizer | None = None) -> ActorHandle:
-    """A PlannerActor for config.scheduling.policy over the materialized `dataset`, on the driver's node.
+    """A PlannerActor for config.scheduling.policy over `data` (the materialized datasets by reference:
+    PlannerData.put, which the caller holds for as long as the run may restart the actor), on the
+    driver's node.
 
     The planner skips the rows data.eval_fraction holds out and, with data.shuffle (file and hub data),
-    visits each epoch in a permutation seeded by (data.seed, epoch) (scheduling/order.py); `eval_dataset`
-    is data.eval_path's materialized rows (PreparedData.eval_dataset), the eval set instead of the
-    held-out rows, planned in stream order. `tokenizer`: the run's loaded one (ResolvedData.tokenizer),
-    which sizes a tiny preset's vocabulary for the cost model without loading it again.
+    visits each epoch in a permutation seeded by (data.seed, epoch) (scheduling/order.py); data.eval_path's
+    materialized rows (`data.eval`) are the eval set instead of the held-out rows, planned in stream
+    order. `tokenizer`: the run's loaded one (ResolvedData.tokenizer), which sizes a tiny preset's
+    vocabulary for the cost model without loading it again.
     """
     from app.data.sources import mix_spec
     from app.profiling.hardware import cost_model
@@ -74,8 +75,7 @@ def planner_actor(config: SkrullConfig, dataset: Dataset, total_steps: int, name
     actor = PlannerActor.options(num_cpus=config.resources.planner_cpus, max_restarts=-1, max_task_retries=0,
                                  scheduling_strategy=on_this_node(),
                                  name=f"skrull-planner-{name}-{secrets.token_hex(3)}")  # for operators
-    return actor.remote(dataset, settings, cost_model(config, tokenizer=tokenizer),
-                        eval_dataset=eval_dataset)
+    return actor.remote(data, settings, cost_model(config, tokenizer=tokenizer))
 
 
 def worker_settings(config: SkrullConfig, planner: ActorHandle | None, monitor: ActorHandle, total_steps: int,

@@ -185,13 +185,15 @@ def _fit(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
     import ray
 
     from app.train.run_monitor import RunMonitor
+    from scheduling.actor import PlannerData
 
     prepared = prepared_data(config, data, progress=progress, out=out, embedded=embedded, run_dir=run_dir)
     total_steps = total_steps_of(config, prepared.usable_rows)
     if progress:
         print(steps_line(config, total_steps, prepared.usable_rows), file=out, flush=True)
-    planner = planner_actor(config, prepared.dataset, total_steps, name, eval_dataset=prepared.eval_dataset,
-                            tokenizer=data.tokenizer)
+    # Held until the run ends: Ray restarts a crashed planner from these references.
+    planner_data = PlannerData.put(prepared.dataset, prepared.eval_dataset)
+    planner = planner_actor(config, planner_data, total_steps, name, tokenizer=data.tokenizer)
     monitor = RunMonitor.options(scheduling_strategy=on_this_node()).remote()
     run = run_location_of(config, name)
     settings = worker_settings(config, planner, monitor, total_steps, run.uri, tokenizer=data.tokenizer)
