@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +142,14 @@ class PlannerData:
         return ray.get(self.train), None if self.eval is None else ray.get(self.eval)
 
 
+def _restarted_by_ray() -> bool:
+    """Whether Ray restarted this actor after a crash (its property reads Ray's own deprecated
+    `actor_id`, whose warning would reach every run's log)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
 class PlannerError(RuntimeError):
     """The planner could not produce a step (data ran out, or no valid plan); workers re-raise it."""
 
@@ -180,7 +189,7 @@ class PlannerActor:
         self._generation = 0
         self._session: str | None = None
         self._begin(settings, start or Cursor(epoch=0, rows=0), first_step)
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        if _restarted_by_ray():
             # Ray restarted this actor after a crash: it does not know where the run stands, so it hands
             # out nothing until a (re)started worker group tells it the checkpoint's cursor (restart()).
             self._fail(PlannerError("the planner actor was restarted after a crash; waiting for the worker "
