@@ -123,7 +123,7 @@ class PlannerData:
     """The planner's datasets by reference: what `train` hands the PlannerActor's constructor.
 
     Ray restarts a crashed actor by running its constructor again with the same arguments. An argument too
-    large to travel inside the task (a materialized Dataset of 64 blocks pickles to about 1.7 MB; Ray's
+    large to travel inside the task (a tokenized Dataset of 64 blocks pickles to about 1.8 MB; Ray's
     inline limit is 100 KiB) goes to the object store, where Ray keeps it only for the first construction
     (ray-project/ray#53727), so the restart would fail. This box pickles to a few hundred bytes whatever the
     data; its creator holds it, and with it the datasets, for as long as the actor may restart.
