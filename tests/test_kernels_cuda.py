@@ -65,7 +65,10 @@ def test_liger_kernels_match_transformers_modules_on_cuda() -> None:
 
 def _sync_free_steps(rank: int, world: int) -> dict[str, list[str]]:
     """Three steps of the device step on CUDA with sync debug mode "error" (a sync raises), at ZeRO-2 and at
-    the ZeRO-1 one worker runs for it (DeepSpeed's BF16_Optimizer, workers/bf16_step.py)."""
+    the ZeRO-1 one worker runs for it (DeepSpeed's BF16_Optimizer, workers/bf16_step.py), with the torch
+    kernel set: liger's fused linear cross-entropy reads the device twice per micro-batch itself (its
+    forward's `.item()` count of targets, its backward's `torch.equal(grad_output, 1)`; H200 trace,
+    docs/benchmarks.md), which this product's code cannot remove."""
     return {"zero2": _sync_errors(one_rank_zero1=False), "zero1": _sync_errors(one_rank_zero1=True)}
 
 
@@ -90,7 +93,8 @@ def _sync_errors(*, one_rank_zero1: bool) -> list[str]:
     samples = [Sample(sample_id=i, input_ids=rng.integers(1, 4096, n), labels=rng.integers(1, 4096, n))
                for i, n in enumerate(lengths)]
     cost = CostModel.from_model_dims(hidden_size=256, kv_hidden_size=128, num_layers=2)
-    plan = plan_step("skrull", lengths, dp_size=1, cp_size=1, bucket_size=800, cost=cost)
+    plan = plan_step("skrull", lengths, dp_size=1, cp_size=1, bucket_size=1100, cost=cost)
+    assert len(plan.micro_batches[0]) >= 2  # the fp32 sums over micro-batches run too
     payload = build_rank_payloads(plan, samples, step=1, epoch=0, cursor=Cursor(epoch=0, rows=4),
                                   plan_ms=0.0)[0, 0]
     run_step(engine, payload, groups, device=device, loss_chunk_tokens=512, sync=True)  # lazy inits
@@ -113,3 +117,23 @@ def test_a_training_step_never_synchronizes_on_cuda() -> None:
 
     (errors,) = run_workers(_sync_free_steps, 1, backend="nccl")
     assert errors == {"zero2": [], "zero1": []}
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_a_bf16_gradient_adds_into_its_fp32_sum_in_one_kernel_on_cuda() -> None:
+    """workers/bf16_accumulate.py's premise: on CUDA, `fp32.add_(bf16)` widens inside the kernel (one
+    launch, no fp32 temporary), and sums exactly as DeepSpeed's `fp32.add_(bf16.to(fp32))`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    grad = torch.randn(4096, 896, device="cuda").to(torch.bfloat16)
+    lean = torch.randn(4096, 896, device="cuda")
+    reference = lean.clone().add_(grad.to(torch.float32))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        lean.add_(grad)
+        torch.cuda.synchronize()
+    ops = {e.key: e.count for e in prof.key_averages()}
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert "aten::_to_copy" not in ops and len(kernels) == 1, (ops, [k.name for k in kernels])
+    assert torch.equal(lean, reference)

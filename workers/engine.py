@@ -17,7 +17,7 @@ from typing import Any, TypedDict
 import torch
 import torch.distributed as dist
 
-from workers import bf16_step
+from workers import bf16_accumulate, bf16_step
 from workers.deepspeed_import import import_deepspeed
 from workers.device_step import install_device_step
 from workers.loss import LOSS_HEAD
@@ -207,6 +207,8 @@ def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.devi
     engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config), mpu=groups,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       lr_scheduler=scheduler_factory(lr_schedule or LrSchedule()))
+    if bf16_step.owns(engine.optimizer) and not bf16_accumulate.lean_accumulation_problem(engine.optimizer):
+        bf16_accumulate.install(engine.optimizer)  # else DeepSpeed's own hooks: the same sums, slower
     if ds_config["optimizer"]["params"].get("fused"):
         problem = install_device_step(engine)
         if problem and (not dist.is_initialized() or dist.get_rank() == 0):
