@@ -75,6 +75,7 @@ def test_bench_step_json_on_the_tiny_config(tmp_path: Path) -> None:
         assert len(variant["losses"]) == 3 and all(variant["applied"])
         assert (tmp_path / "trace" / f"{name}.json").stat().st_size > 0
         assert len(variant["top_ops"]) == 15 and variant["top_ops"][0]["self_ms"] > 0
+        assert "device_time" not in variant  # CPU: no device timeline
     today, fused = result["variants"]["today"], result["variants"]["fused"]
     assert today["bucket_size"] == 1024 and fused["bucket_size"] == 256
     assert fused["micro_batches"] > today["micro_batches"]  # a smaller C: more micro-batches, same rows
@@ -99,3 +100,13 @@ def test_a_variant_that_fails_leaves_the_others_measured_and_a_time_box_reports_
     assert ok["tokens_per_s"] > 0 and ok["counted_steps"] == 1 and len(ok["losses"]) == 2
     assert result["stopped_early"] == "--max-seconds 3600 reached"
     assert result["speedup_vs_first"] == {"ok": 1.0, "broken": None}
+
+
+def test_the_traced_device_time_is_the_union_of_its_kernels() -> None:
+    """`device_time` (bench step --trace on CUDA): overlapping and nested intervals count once, the gaps
+    between them are idle (microseconds in, milliseconds out)."""
+    from workers.tools.step_bench import device_time
+
+    timeline = [(0.0, 1000.0), (500.0, 1500.0), (600.0, 700.0), (3000.0, 4000.0), (1500.0, 2000.0)]
+    assert device_time(timeline) == {"span_ms": 4.0, "busy_ms": 3.0, "idle_ms": 1.0}
+    assert device_time([(10.0, 20.0)]) == {"span_ms": 0.01, "busy_ms": 0.01, "idle_ms": 0.0}

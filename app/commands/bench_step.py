@@ -66,6 +66,10 @@ def _print(result: dict) -> None:
         print(f"  {name}: kernels {v['kernels']}, {v['optimizer']}, ZeRO-{v['zero_stage']}, "
               f"compile {v['compile']}, "
               f"checkpointing {v['activation_checkpointing']}, C {v['bucket_size']:,}")
+        if v.get("device_time"):
+            t = v["device_time"]
+            print(f"    traced step: the device busy {t['busy_ms']:.1f} ms and idle {t['idle_ms']:.1f} ms of "
+                  f"{t['span_ms']:.1f} ms (idle: waiting for the host)")
         for op in v.get("top_ops") or []:
             print(f"    {op['self_ms']:>10.2f} ms  {op['calls']:>6}x  {op['op']}")
 

@@ -6,7 +6,8 @@
         for variant in that step's order (rotated by one each step, as bench train's policies):
             activate its kernel set; synchronize; run_step(sync=True)        (the training step itself)
             -> step_s (wall), laps (micro-batch busy time, optimizer), loss, peak memory
-    --trace: one more step per variant under torch.profiler -> <dir>/<variant>.json + its 15 top ops
+    --trace: one more step per variant under torch.profiler -> <dir>/<variant>.json + its 15 top ops, and on
+             CUDA the device's busy and idle time in that step (`device_time`)
     --max-seconds: no build or step starts past it; what was measured is returned (stopped_early says so)
 
 What a step's time splits into (StepReading):
@@ -122,7 +123,7 @@ def bench_steps(variants: list[StepVariant], *, device: torch.device, seed: int 
         measured = {e.variant.name: {"readings": e.readings, "kernels": e.engine.module.skrull_kernels,
                                      "optimizer": _optimizer_name(e.engine),
                                      "zero_stage": e.engine.zero_optimization_stage(),
-                                     "top_ops": traces.get(e.variant.name)} for e in live}
+                                     **traces.get(e.variant.name, {})} for e in live}
         unbuilt = {v.name: {"error": clock.reason("before its engine was built")} for v in variants
                    if v.name not in measured and v.name not in failed}
         return {"variants": {**measured, **unbuilt, **{name: {"error": e} for name, e in failed.items()}},
@@ -236,8 +237,9 @@ def _optimizer_name(engine: Any) -> str:
     return f"{kind} AdamW, {'device step' if own else 'DeepSpeed step'}"
 
 
-def _trace(entry: _Live, device: torch.device, trace_dir: str) -> list[dict[str, Any]]:
-    """One more step of the variant under torch.profiler: a Chrome trace and its TOP_OPS ops by self time."""
+def _trace(entry: _Live, device: torch.device, trace_dir: str) -> dict[str, Any]:
+    """One more step of the variant under torch.profiler: a Chrome trace, its TOP_OPS ops by self time
+    ("top_ops") and, on CUDA, how much of the step the device was busy ("device_time", `device_time`)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -250,4 +252,20 @@ def _trace(entry: _Live, device: torch.device, trace_dir: str) -> list[dict[str,
     prof.export_chrome_trace(str(Path(trace_dir) / f"{entry.variant.name}.json"))
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:TOP_OPS]
-    return [{"op": e.key, "self_ms": getattr(e, key, 0.0) / 1e3, "calls": e.count} for e in events]
+    on_device = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+    top = [{"op": e.key, "self_ms": getattr(e, key, 0.0) / 1e3, "calls": e.count} for e in events]
+    return {"top_ops": top, "device_time": device_time(on_device) if on_device else None}
+
+
+def device_time(intervals: list[tuple[float, float]]) -> dict[str, float]:
+    """The device's span (first start to last end), busy time (the union of the intervals: kernels,
+    copies and fills, in microseconds) and idle time, in milliseconds: idle is where it waited for the
+    host (a launch-bound step) or for a synchronization."""
+    ordered = sorted(intervals)
+    busy, end = 0.0, ordered[0][0]
+    for start, stop in ordered:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - ordered[0][0]
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3}
