@@ -17,13 +17,17 @@
 #   profile  `python -m app profile` of Qwen2.5-0.5B's shape (random weights, synthetic data) on this node's
 #            GPUs (DP 1 x CP = GPUs, at most 8) -> $OUT/gpu.yaml, a hardware profile of this machine
 #   bench    `python -m app bench train` of the same run, with $OUT/gpu.yaml (else configs/hardware/h100.yaml)
-#   speed    the GPU-speed matrix, ~9 minutes on one GPU, each part time-boxed and written as it ends:
-#            `bench step` of Qwen2.5-0.5B's shape at C = 16384 over the knobs (today's path, checkpointing
-#            every layer; all on without checkpointing; the device step on ZeRO-1 (one GPU's default) and
-#            on ZeRO-2; liger kernels; torch.compile) -> speed_step.json; `profile` -> gpu.yaml; `train` with the config's defaults
-#            (bucket_size and checkpointing auto, the train stage's rows) -> train_auto.json; the CUDA tests
-#            of the knobs (tests/test_kernels_cuda.py); `bench peer --device cuda` (TRL in bf16) ->
-#            speed_peer.json; all of it in speed.json. Not part of `all`.
+#   speed    the GPU-speed checks, each part time-boxed and written as it ends, in the order of what is still
+#            unmeasured on a GPU (docs/benchmarks.md "GPU speed"): `train` as written -> train.json;
+#            `profile` -> gpu.yaml; the CUDA tests of the knobs (tests/test_kernels_cuda.py); `bench peer
+#            --device cuda` (TRL in bf16) -> speed_peer.json; `bench step` of Qwen2.5-0.5B's shape at
+#            C = 16384 over the knobs (today's path, checkpointing every layer; all on without
+#            checkpointing; the device step on ZeRO-1 (one GPU's default) and on ZeRO-2; liger kernels;
+#            torch.compile) -> speed_step.json; all of it in speed.json. About 14 minutes in all: more than
+#            one 10-minute device call, so call it twice (the second time with
+#            SKRULL_GPU_CHECK_SPEED_PARTS=peer,step, or what the first left undone). `train` with
+#            bucket_size and checkpointing auto (train_auto.json) runs when named in the parts.
+#            Not part of `all`.
 #   all      every stage in that order, stopping at the first that fails; install is skipped when torch,
 #            ray and deepspeed already import in the stages' python
 # Without CUDA it fails at once, saying so.
@@ -293,7 +297,7 @@ stage_bench() {
 # speed: the GPU-speed matrix (the header says what): each part in a process of its own under its own time
 # limit, its JSON written as it ends. SKRULL_GPU_CHECK_SPEED_{PARTS,VARIANTS,SET,STEPS} are for the CPU test.
 SPEED_STEPS=${SKRULL_GPU_CHECK_SPEED_STEPS:-3}
-SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-step,profile,train_auto,cuda_tests,peer}
+SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-train,profile,cuda_tests,peer,step}
 TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false"
 TODAY="$TODAY,train.activation_checkpointing=true,train.one_rank_zero1=false"  # the path before the knobs
 STEP_ON="train.optimizer_impl=fused,train.overlap_comm=auto"
@@ -336,6 +340,10 @@ stage_speed_tests() {
   "$py" -m pytest -q -p no:cacheprovider -m cuda tests/test_kernels_cuda.py 2>&1 | tee "$OUT/speed_tests.log"
   return "${PIPESTATUS[0]}"
 }
+profile_progress() {  # what a stopped profile had measured: its workers' progress lines in Ray's session logs
+  echo "gpu_check speed: profile stopped; its workers' last progress lines:"
+  grep -h "\[skrull\] profile:" "${RAY_TMPDIR:-/tmp/ray}"/session_latest/logs/worker-*.out 2>/dev/null | tail -n 8
+}
 part() {  # part NAME LIMIT_S STAGE [ENV=VALUE ...]: one part as `gpu_check.sh STAGE`, time-boxed
   local name=$1 limit=$2 target=$3 started rc
   shift 3
@@ -343,6 +351,7 @@ part() {  # part NAME LIMIT_S STAGE [ENV=VALUE ...]: one part as `gpu_check.sh S
   started=$(date +%s)
   env "$@" PYTHON="$py" SKRULL_GPU_CHECK_STAGE="$target" timeout -k 10 "$limit" bash "$0" "$target"
   rc=$?
+  [ "$rc" = 124 ] && [ "$target" = profile ] && profile_progress | tee -a "$OUT/profile.log"
   echo "$name $rc $(( $(date +%s) - started ))" >> "$OUT/speed_parts.txt"
   echo "gpu_check speed: $name exit $rc after $(( $(date +%s) - started )) s"
   speed_summary >/dev/null
@@ -351,18 +360,18 @@ stage_speed() {
   need_cuda
   rm -f "$OUT/speed_parts.txt"
   touch "$OUT/speed_parts.txt"
-  # In the order of what matters most: a device call of 10 minutes may end before the last parts. The
-  # train stage as written (C = 16384) is `gpu_check.sh train` (or SKRULL_GPU_CHECK_SPEED_PARTS=...,train).
+  # In the order of what is still unmeasured: a device call of 10 minutes ends before the last parts.
+  part train 150 train TRAIN_NAME=train
+  # profile took over 115 s on an H200 (2026-11-28; engine builds of about 30 s, every measurement case)
+  part profile 240 profile
+  part cuda_tests 90 speed_tests
+  part peer 180 speed_peer
   part step 240 speed_step SPEED_STEP_BUDGET_S=195
-  part profile 120 profile
   # The train stage's run with the config's defaults (C and checkpointing from memory, on this GPU's
   # profile when `profile` wrote one): the same rows, cut at the train stage's 16384 tokens, so that the
   # one GPU need not hold the config's 131072-token maximum.
   part train_auto 150 train TRAIN_NAME=train_auto \
     SKRULL_GPU_CHECK_TRAIN_SET="${SKRULL_GPU_CHECK_TRAIN_SET:-} scheduling.bucket_size=auto data.max_length=16384"
-  part train 150 train TRAIN_NAME=train
-  part cuda_tests 60 speed_tests
-  part peer 180 speed_peer
   speed_summary
   [ -z "$(awk '$2 != 0' "$OUT/speed_parts.txt")" ]
 }

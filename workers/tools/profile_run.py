@@ -205,16 +205,19 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
     groups = ParallelGroups.create(s.cp_size, device=device, attention_backend=s.model.attention_backend,
                                    timeout=timeout)
     zero = ZeroGroups.create(timeout)
+    said = _Progress(rank)
     torch.manual_seed(s.seed)
     model = s.model.build().to(device)
     model.train()
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     engine = build_engine(s.model, s.deepspeed, device, s.seed, zero, overlap_comm=s.overlap_comm,
                           one_rank_zero1=s.one_rank_zero1)
+    said("model and engine built")
     result: dict[str, Any] = {
         "world_size": world_size, "cp_size": s.cp_size, "params": params,
         "compute": _compute_rows(engine, s, groups, device),
     }
+    said(f"{len(s.cases)} compute cases")
     if groups.cp_group is not None and s.cp_size > 1:
         bucket = max(sum(lengths) for lengths, _ in s.cases)
         layer_kv = 2 * bucket * s.kv_hidden_size * _element_size(model)
@@ -223,18 +226,36 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
         result["ring"] = measure_ring(groups.attention.comm, ring_sizes(layer_kv), repeats=RING_REPEATS,
                                       warmup=3, dtype=_dtype(model), device=device)
         result["overlap"] = _overlap_row(model, s, groups, device, result["ring"])
+        said("ring and overlap")
     if world_size > 1:
         bucket = int(s.deepspeed["zero_optimization"]["reduce_bucket_size"])
         result["reduce"] = measure_grad_reduce(params, zero.data, dtype=_dtype(model), repeats=s.repeats,
                                                device=device, bucket_elements=bucket)
     result["optimizer"] = _optimizer_step_s(engine, s, device)
+    said("gradient reduction and optimizer step")
     if s.steps:
         result["steps"], result["step_laps"] = _whole_steps(engine, s, groups, device)
+        said(f"{len(s.steps)} whole steps")
     result["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" \
         else f"{platform.machine()} cpu x{os.cpu_count() or 1}"
     result.update(_memory_rows(model, s, groups, device))
+    said("memory cases")
     del model
     return result
+
+
+class _Progress:
+    """World rank 0 says when each measurement ended, and its seconds, in the worker's log (Ray's session
+    logs): what a time-boxed profile that was stopped had done (scripts/gpu_check.sh prints these lines)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.last = rank, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        if self.rank == 0:
+            print(f"[skrull] profile: {what} in {now - self.last:.1f} s", flush=True)
+        self.last = now
 
 
 def _memory_rows(model: torch.nn.Module, s: ProfileSettings, groups: ParallelGroups,
