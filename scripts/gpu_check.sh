@@ -23,8 +23,9 @@
 #            --device cuda` (TRL in bf16) -> speed_peer.json; `bench step` of Qwen2.5-0.5B's shape at
 #            C = 16384 over the knobs (today's path, checkpointing every layer; all on without
 #            checkpointing; the device step on ZeRO-1 (one GPU's default) and on ZeRO-2; liger kernels;
-#            torch.compile) -> speed_step.json; all of it in speed.json. About 14 minutes in all: more than
-#            one 10-minute device call, so call it twice (the second time with
+#            torch.compile) -> speed_step.json; all of it in speed.json. Its time boxes add up to 15
+#            minutes (the train part took 117 s on an H200, 75 of them outside its steps): more than one
+#            10-minute device call, so call it twice (the second time with
 #            SKRULL_GPU_CHECK_SPEED_PARTS=peer,step, or what the first left undone). `train` with
 #            bucket_size and checkpointing auto (train_auto.json) runs when named in the parts.
 #            Not part of `all`.
