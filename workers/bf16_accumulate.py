@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from workers.bf16_step import extension_problem
+
 
 def lean_accumulation_problem(optimizer: Any) -> str | None:
     """Why `install` cannot replace `optimizer`'s hooks (None: it can). Only DeepSpeed's plain path is
@@ -37,12 +39,7 @@ def lean_accumulation_problem(optimizer: Any) -> str | None:
         return f"DeepSpeed's BF16_Optimizer lacks {', '.join(missing)} (another DeepSpeed version)"
     if not optimizer.immediate_grad_update:
         return "bf16.immediate_grad_update is off"
-    for flag in ("has_moe_layers", "_uses_muon"):
-        if getattr(optimizer, flag, False):
-            return f"DeepSpeed's {flag} is on"
-    if getattr(optimizer, "autoep_folding_tp_group", None) is not None:
-        return "DeepSpeed's expert-parallel gradient folding is on"
-    return None
+    return extension_problem(optimizer)
 
 
 def install(optimizer: Any) -> None:

@@ -50,6 +50,13 @@ def device_step_problem(optimizer: Any) -> str | None:
         return problem
     if optimizer.grad_acc_dtype is not torch.float32:
         return f"gradients accumulate in {optimizer.grad_acc_dtype}, not fp32"
+    return extension_problem(optimizer)
+
+
+def extension_problem(optimizer: Any) -> str | None:
+    """The DeepSpeed feature on `optimizer` whose gradients take more than BF16_Optimizer's plain path (MoE
+    layers, Muon, expert-parallel folding), which this module and workers/bf16_accumulate.py do not
+    replace (None: none is on)."""
     for flag in ("has_moe_layers", "_uses_muon"):
         if getattr(optimizer, flag, False):
             return f"DeepSpeed's {flag} is on"
