@@ -209,7 +209,8 @@ def small_filesystem(path: Path, size: str) -> Iterator[bool]:
 
 
 def test_copy_into_a_full_filesystem_raises_enospc(tmp_path: Path) -> None:
-    """The copy a rank makes of its shard (workers/checkpoint_files.copy_into) on a 1 MiB filesystem."""
+    """The copy a rank makes of its shard (workers/checkpoint_files.copy_into) on a 1 MiB filesystem: refused
+    before it writes a byte (check_room), so it never fills the disk under the run's other writers."""
     from pyarrow import fs
 
     from workers.checkpoint_files import copy_into
@@ -222,6 +223,8 @@ def test_copy_into_a_full_filesystem_raises_enospc(tmp_path: Path) -> None:
         with pytest.raises(OSError) as caught:
             copy_into(tmp_path / "shard", fs.LocalFileSystem(), str(tmp_path / "small" / "ckpt"))
         assert caught.value.errno == (errno.ENOSPC if mounted else errno.EACCES)
+        if mounted:  # refused before writing: the disk stays free for the run's other writes
+            assert not any((tmp_path / "small").rglob("*")), list((tmp_path / "small").rglob("*"))
         (tmp_path / "small").chmod(0o755)
 
 

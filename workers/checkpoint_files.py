@@ -23,6 +23,7 @@ checkpoint once, at ~1 GB/s locally (an object store: one download of it). A che
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -76,9 +77,11 @@ def copy_into(directory: str | Path, filesystem: Any, target: str) -> None:
     """
     from pyarrow import fs
 
-    if isinstance(filesystem, fs.LocalFileSystem) and _same_device(Path(directory), Path(target)):
-        _rename_into(Path(directory), Path(target))
-        return
+    if isinstance(filesystem, fs.LocalFileSystem):
+        if _same_device(Path(directory), Path(target)):
+            _rename_into(Path(directory), Path(target))
+            return
+        check_room(Path(directory), Path(target))
     threads = not isinstance(filesystem, getattr(fs, "S3FileSystem", ()))
     filesystem.create_dir(target, recursive=True)
     fs.copy_files(str(directory), target, source_filesystem=fs.LocalFileSystem(),
@@ -87,10 +90,32 @@ def copy_into(directory: str | Path, filesystem: Any, target: str) -> None:
 
 def _same_device(directory: Path, target: Path) -> bool:
     """`directory` and the nearest existing directory at or above `target` lie on one filesystem."""
-    existing = target
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    return directory.stat().st_dev == existing.stat().st_dev
+    return directory.stat().st_dev == _existing(target).stat().st_dev
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+ROOM_KEPT_BYTES = 1 << 20
+"""What a checkpoint copy leaves free on a local filesystem for the run's own small writes."""
+
+
+def check_room(directory: Path, target: Path) -> None:
+    """Refuse (OSError ENOSPC naming `target`) a copy of `directory` into the local `target` that would
+    leave less than ROOM_KEPT_BYTES free. A copy that fills the disk fails itself and, until its partial
+    files are removed, every other write into the run's storage too: the driver's metrics.jsonl line or
+    Ray Train's snapshot can then be the write that fails, and the run stops on that instead of on the
+    checkpoint. Ranks sharing one filesystem check at the same time, so together they can still fill it
+    (the partial checkpoint is then removed as before)."""
+    import shutil
+
+    needed = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    free = shutil.disk_usage(_existing(target)).free
+    if needed > free - ROOM_KEPT_BYTES:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
 
 
 def _rename_into(directory: Path, target: Path) -> None:
