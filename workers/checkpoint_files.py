@@ -27,6 +27,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -94,6 +95,7 @@ def _same_device(directory: Path, target: Path) -> bool:
 
 
 def _existing(path: Path) -> Path:
+    """`path`, or its nearest existing ancestor."""
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
@@ -110,8 +112,6 @@ def check_room(directory: Path, target: Path) -> None:
     Ray Train's snapshot can then be the write that fails, and the run stops on that instead of on the
     checkpoint. Ranks sharing one filesystem check at the same time, so together they can still fill it
     (the partial checkpoint is then removed as before)."""
-    import shutil
-
     needed = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
     free = shutil.disk_usage(_existing(target)).free
     if needed > free - ROOM_KEPT_BYTES:

@@ -42,7 +42,8 @@ Why these settings:
 - `bf16.immediate_grad_update`: BF16_Optimizer (ZeRO-1 in bf16, what one worker runs, workers/engine.py
   for_world_size) adds each parameter's bf16 gradient to its fp32 sum as the backward produces it and frees
   it; without it every bf16 gradient stays alive from one backward to the next (2 bytes per parameter more,
-  measured by tests/test_one_rank_zero1.py's ledger). ZeRO's own optimizers ignore the key.
+  measured by tests/test_one_rank_zero1.py's ledger); the add itself runs in workers/bf16_accumulate.py's
+  hook (one kernel per parameter instead of DeepSpeed's copy and add). ZeRO's own optimizers ignore the key.
 - ZeRO-3 (`train.zero_stage: 3`) partitions the weights too, over the same W ranks, and gathers each
   module's weights in its forward and backward hooks. `stage3_prefetch_bucket_size` (elements gathered
   ahead of use) follows the reduce bucket (5e7 on GPU, DeepSpeed's default; 5e5 on CPU, where a gather

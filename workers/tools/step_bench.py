@@ -239,7 +239,7 @@ def _optimizer_name(engine: Any) -> str:
 
 def _trace(entry: _Live, device: torch.device, trace_dir: str) -> dict[str, Any]:
     """One more step of the variant under torch.profiler: a Chrome trace, its TOP_OPS ops by self time
-    ("top_ops") and, on CUDA, how much of the step the device was busy ("device_time", `device_time`)."""
+    ("top_ops") and, on CUDA, the device's busy and idle time in that step ("device_time")."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
