@@ -550,7 +550,8 @@ class TrainConfig:
     with torch's default implementation on CPU)."""
     compile: bool = False
     """torch.compile each decoder layer (dynamic shapes: one graph for every micro-batch length; the DACP
-    attention stays outside the graph, workers/compile.py)."""
+    attention runs inside the graph as a custom op, workers/compile.py). The memory model counts the
+    layers by what the compiler saves (app/profiling/activation/compiled_kernels.py)."""
     overlap_comm: Literal["auto", "on", "off"] = "auto"
     """DeepSpeed ZeRO's overlap_comm (gradient reduction on a side stream): auto (on with GPUs and more than
     one worker, where there is communication to overlap; off on one GPU, where it only adds a device

@@ -85,6 +85,81 @@ def test_what_the_forward_keeps_and_the_peak_match_torchs_accounting(tmp_path: P
                                                                measured.peak)
 
 
+def _saved_bytes(model, tokens: int) -> int:
+    """Bytes of the distinct storages (not the parameters') autograd's saved-tensor hooks receive in the
+    forward of a micro-batch through the chunked loss: what a compiled graph saves, which it allocates
+    outside the dispatcher the tensor ledger watches. The backward runs too (the graphs free their saves)."""
+    import torch
+
+    from workers.forward import micro_batch_loss_sum
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = micro_batch_loss_sum(model, _batch(tokens), loss_chunk_tokens=LOSS_CHUNK)
+    loss.backward()
+    return sum(seen.values())
+
+
+COMPILED_CASES = [("qwen2", "off", "inductor"), ("qwen2", "every 2nd layer", "aot_eager_decomp_partition"),
+                  ("llama3", "off", "aot_eager_decomp_partition"), ("mistral", "every layer",
+                                                                    "aot_eager_decomp_partition"),
+                  ("phi3", "off", "aot_eager_decomp_partition")]
+
+
+@pytest.mark.parametrize(("family", "setting", "backend"), COMPILED_CASES)
+def test_what_compiled_layers_keep_matches_their_saved_tensors(tmp_path: Path, monkeypatch, family: str,
+                                                               setting: str, backend: str) -> None:
+    """train.compile's set (compiled_kernels.py) against what the compiled model's graphs save, per token
+    (the slope between two micro-batch sizes), within 5%; the torch set's count is far off (over 25%), so
+    the check tells the two apart. inductor once (generated C++ on CPU), else its partitioner without code
+    generation (aot_eager_decomp_partition: the same min-cut partition of the same graph)."""
+    import torch._dynamo
+
+    import workers.compile
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    monkeypatch.setattr(workers.compile, "BACKEND", backend)
+    with torch._dynamo.config.patch(disable=False):
+        torch._dynamo.reset()
+        try:
+            kept = _compiled_kept_per_token(tmp_path, family, SETTINGS[setting])
+        finally:  # no compiled graphs or counts left for later tests of this process
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+    shape = shape_from_hf(_family_config(family).to_dict(), element=2)
+    checkpointing = SETTINGS[setting]
+    modeled = pass_memory(shape, kernel_set("compiled"), checkpointing, LOSS_CHUNK)
+    assert modeled.kept_per_token == pytest.approx(kept, rel=0.05), (modeled.kept_per_token, kept)
+    if not checkpointing.every:
+        eager = pass_memory(shape, kernel_set("torch"), checkpointing, LOSS_CHUNK)
+        assert eager.kept_per_token > 1.25 * kept
+
+
+def _compiled_kept_per_token(tmp_path: Path, family: str, checkpointing: Checkpointing) -> float:
+    """What a compiled small model of `family` saves per token (_saved_bytes' slope between two sizes)."""
+    import workers.compile
+    from workers.models import build_model
+
+    hf = _family_config(family)
+    hf.save_pretrained(tmp_path)
+    model = build_model(str(tmp_path), random_init=True, dtype="bf16",
+                        activation_checkpointing=bool(checkpointing.every),
+                        activation_checkpointing_every=max(checkpointing.every, 1))
+    model.train()
+    workers.compile.compile_layers(model)
+    _saved_bytes(model, TOKENS[0])  # compiles (one graph for every length)
+    small, large = (_saved_bytes(model, t) for t in TOKENS)
+    return (large - small) / (TOKENS[1] - TOKENS[0])
+
+
 def test_the_liger_set_keeps_what_its_source_saves() -> None:
     """Written out from liger-kernel's ops (the module docstring of liger_kernels.py), bf16, Qwen2.5-0.5B:
     LigerRMSNorm keeps X, RSTD and (for the next projections) Y; LigerSiLUMulFunction keeps a and b, and
@@ -125,6 +200,55 @@ def test_the_05b_shape_matches_the_h200_measurements(capsys) -> None:
                          f"scheduling.bucket_size={bucket}")
         predicted = out["memory"]["zero2"]["peak_bytes"]
         assert measured <= predicted <= 1.15 * measured, (bucket, predicted / 1e9)
+
+
+def test_compiled_layers_with_liger_loss_are_the_compiled_layers_and_ligers_loss() -> None:
+    """compiled_liger_loss (train.compile with kernels auto on CUDA): the compiled set's layers, liger's
+    loss terms, and the final norm the torch set runs (eagerly: its fp32 upcast and backward temporaries),
+    written out for Qwen2.5-0.5B in bf16."""
+    from app.profiling.activation import ModelShape
+
+    shape = ModelShape(family="qwen2", hidden=896, kv_hidden=128, heads=14, head_dim=64, intermediate=4864,
+                       layers=24, vocab=151936, element=2)
+    mixed, compiled, liger = (kernel_set(k) for k in ("compiled_liger_loss", "compiled", "liger"))
+    assert mixed.layer(shape) == compiled.layer(shape)
+    head, liger_head, torch_head = mixed.head(shape, 4096), liger.head(shape, 4096), kernel_set(
+        "torch").head(shape, 4096)
+    assert (head.loss_fixed, head.loss_extra) == (liger_head.loss_fixed, liger_head.loss_extra)
+    assert head.parts["final_norm"] == 4 * 896 + 2 * 896 + 4 and head.norm_backward == 20 * 896
+    assert head.kept == liger_head.kept - (2 * 896 + 4) + head.parts["final_norm"]
+    assert head.loss_fixed < torch_head.loss_fixed / 5  # no [chunk, V] fp32 logits held
+
+
+def test_the_memory_model_counts_the_set_the_workers_run(monkeypatch) -> None:
+    """kernel_set_of mirrors workers/kernels resolve_kernels, layers counted as compiled under compile."""
+    import importlib.util
+
+    from app.config import load_config
+    from app.profiling.memory import kernel_set_of
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "liger_kernel" else find_spec(name, *a))
+    gpu = ["model.name_or_path=tiny-qwen2", "resources.gpus_per_worker=1", "model.dtype=bf16"]
+    cases = {(): "liger", ("train.compile=true",): "compiled_liger_loss",
+             ("train.compile=true", "model.kernels=torch"): "compiled",
+             ("train.compile=true", "model.kernels=liger"): "liger", ("model.kernels=torch",): "torch"}
+    for extra, expected in cases.items():
+        assert kernel_set_of(load_config(None, [*gpu, *extra])) == expected, extra
+    cpu = load_config(None, ["model.name_or_path=tiny-qwen2", "train.compile=true"])
+    assert kernel_set_of(cpu) == "compiled"
+
+
+def test_the_compiled_05b_shape_matches_the_h200_measurement(capsys) -> None:
+    """`bench step` on one H200 (docs/benchmarks.md, 2026-11-28, second session): train.compile=true at
+    C = 16,384 without recompute peaked at 32.72 GB. The compiled set predicts it within [0, +10%]; the
+    torch set, which the memory model used for compiled layers before, predicted 42.29 GB (+29%)."""
+    out = plan_json(capsys, GPU_05B, *H200_RUN, "train.compile=true", "model.kernels=torch",
+                     "train.activation_checkpointing=false", "scheduling.bucket_size=16384")
+    terms = out["memory_terms"]
+    assert terms["kernels"] == "compiled"
+    assert 32.72e9 <= terms["peak_bytes"] <= 1.10 * 32.72e9, terms["peak_bytes"] / 1e9
 
 
 def test_auto_picks_the_fastest_candidate_that_fits_and_plan_shows_them(capsys) -> None:

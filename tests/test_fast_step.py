@@ -207,6 +207,7 @@ def test_inductor_compiles_a_layer_once_for_every_length_and_matches_eager(monke
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     monkeypatch.setattr(torch._dynamo.config, "disable", False)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # graphs other tests of this process compiled
     eager = ModelSpec(**SPEC).build_on(torch.device("cpu"))
     compiled = ModelSpec(**SPEC, compile=True).build_on(torch.device("cpu"))
 

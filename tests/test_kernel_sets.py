@@ -132,10 +132,40 @@ def test_the_liger_set_routes_every_norm_mlp_rope_and_the_loss_through_liger(lig
         assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-8
 
 
-def test_which_set_a_worker_runs() -> None:
+def test_the_liger_loss_set_routes_the_loss_alone_through_liger(liger) -> None:
+    """liger_loss (`auto` under train.compile on CUDA): liger's fused linear cross-entropy, transformers'
+    own norms, MLPs and RoPE (the compiler fuses those); the loss and gradients of the torch set."""
+    from workers.models import build_model
+
+    reference = build_model(**SPEC)
+    kernel_set("torch").apply(reference)
+    kernel_set("torch").activate(reference)
+    ref_loss, ref_grads = _loss_and_grads(reference)
+
+    model = build_model(**SPEC)
+    kernel_set("liger_loss").apply(model)
+    kernel_set("liger_loss").activate(model)
+    loss, grads = _loss_and_grads(model)
+    assert [len(liger[k]) for k in ("rms_norm", "swiglu", "rope", "flce")] == [0, 0, 0, 1]
+    assert liger["flce"][0]["reduction"] == "sum" and liger["flce"][0]["accum_dtype"] == torch.float32
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    for ours, ref in zip(grads, ref_grads, strict=True):
+        assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-8
+
+
+def test_which_set_a_worker_runs(monkeypatch) -> None:
+    import workers.kernels
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_kernels("auto", cpu, "qwen2") == "torch"
+    assert resolve_kernels("auto", cpu, "qwen2", compile=True) == "torch"
     assert resolve_kernels("torch", cuda, "qwen2") == "torch"
+    monkeypatch.setattr(workers.kernels, "liger_available", lambda: True)  # as on a GPU machine with liger
+    assert resolve_kernels("auto", cuda, "qwen2") == "liger"
+    assert resolve_kernels("auto", cuda, "qwen2", compile=True) == "liger_loss"
+    assert resolve_kernels("liger", cuda, "qwen2", compile=True) == "liger"  # asked for: liger in the layers
+    assert resolve_kernels("torch", cuda, "qwen2", compile=True) == "torch"
+    assert resolve_kernels("auto", cuda, "gpt2", compile=True) == "torch"  # a family liger does not cover
     with pytest.raises(ValueError, match="model.kernels=liger runs liger-kernel's Triton kernels"):
         resolve_kernels("liger", cpu, "qwen2")
     assert kernels_problem("liger", on_gpu=True, available=False).startswith(

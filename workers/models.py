@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,18 +109,31 @@ class ModelSpec:
             return get_peft_model(base, config)
 
     def build_on(self, device: torch.device, *, zero3: dict[str, Any] | None = None,
-                 group: Any = None) -> torch.nn.Module:
+                 group: Any = None, lap: Callable[[str], None] | None = None) -> torch.nn.Module:
         """The training model on `device` in train mode: built (partitioned over `group` with a stage-3
         `zero3` config, its partitions made on `device`; else whole and moved), its kernel set applied and
-        activated (model.kernels resolved for the device), its layers compiled with train.compile."""
+        activated (model.kernels resolved for the device), its layers compiled with train.compile.
+
+        `lap(name)` (workers/engine.py PhaseClock.lap) is called at the end of each phase: "model" (built:
+        random init or loaded; ZeRO-3: partitioned on `device`), "device" (moved to `device`; whole builds
+        only), then prepare_on_device's."""
+        lap = lap or _no_lap
         if zero3 is None:
-            model = self.build().to(device)
+            model = self.build()
+            lap("model")
+            model = model.to(device)
+            lap("device")
         else:
             use_accelerator_device(device)  # where zero.Init puts the partitions
             model = self.build(zero3=zero3, group=group)
+            lap("model")
         model.train()  # from_pretrained returns eval mode, which would also skip activation recompute
-        prepare_on_device(model, device, kernels=self.kernels, compile=self.compile)
+        prepare_on_device(model, device, kernels=self.kernels, compile=self.compile, lap=lap)
         return model
+
+
+def _no_lap(name: str) -> None:
+    """build_on's and prepare_on_device's `lap` when nobody times the phases."""
 
 
 def use_accelerator_device(device: torch.device) -> None:
@@ -129,20 +143,26 @@ def use_accelerator_device(device: torch.device) -> None:
 
 
 def prepare_on_device(model: torch.nn.Module, device: torch.device, *, kernels: str = "auto",
-                      compile: bool = False) -> str:
-    """Apply model.kernels (resolved for `device`; under train.compile `auto` is torch: inductor fuses the
-    elementwise ops itself) and train.compile to a built model; returns the kernel set's name."""
+                      compile: bool = False, lap: Callable[[str], None] | None = None) -> str:
+    """Apply model.kernels (resolved for `device`; under train.compile `auto` leaves the layers to the
+    compiler, which fuses their elementwise ops itself: liger_loss where liger runs, else torch) and
+    train.compile to a built model; returns the kernel set's name.
+
+    `lap(name)` ends the phases "kernels" (the set imported, applied and activated) and, with `compile`,
+    "compile" (the layers wrapped in torch.compile: dynamo compiles on their first call, the warm-up)."""
     from workers.compile import compile_layers
     from workers.kernels import kernel_set, resolve_kernels
 
-    setting = "torch" if compile and kernels == "auto" else kernels
-    name = resolve_kernels(setting, device, getattr(model.config, "model_type", ""))
+    lap = lap or _no_lap
+    name = resolve_kernels(kernels, device, getattr(model.config, "model_type", ""), compile=compile)
     chosen = kernel_set(name)
     chosen.apply(model)
     chosen.activate(model)
     model.skrull_kernels = name
+    lap("kernels")
     if compile:
         compile_layers(model)
+        lap("compile")
     return name
 
 

@@ -21,7 +21,7 @@
              forward keeps per token + the loss's chunk temporaries and head gradient) and the backward of
              the layer where most is live (what the layers below keep + one recomputed layer + its
              backward's gradients); per token from the model's shapes, for the kernel set the run uses
-             (`kernels`: torch | liger) and the checkpointing setting
+             (`kernels`: torch | liger | compiled) and the checkpointing setting
     safety   SAFETY_FRACTION of M: the headroom kept free of every modeled term
     load     the peak while the model is built and its checkpoint read, before the first step (`load_peak`):
                stage 3 (workers/sharded.py) device P*e/W + the largest module whole (built, or gathered
@@ -71,7 +71,7 @@ class MemoryTerms:
     recompute: str
     """The checkpointing setting modeled: off | every layer | every n-th layer, with ` + offload`."""
     kernels: str
-    """The kernel set modeled: torch | liger."""
+    """The kernel set modeled: torch | liger | compiled."""
     activations: PassMemory
     bucket: int | None = None
     """The run's C when scheduling.bucket_size is set (None: auto, the derived C)."""
@@ -196,10 +196,20 @@ def trainable_params(config: SkrullConfig, cost: CostModel) -> float:
 
 
 def kernel_set_of(config: SkrullConfig) -> str:
-    """The kernel set the run's workers use: model.kernels resolved as the workers resolve it
-    (workers/kernels resolve_kernels; torch-free here): auto is liger on GPU workers when liger-kernel is
-    installed and the model's family is one it covers, torch under train.compile or otherwise. A family
-    that cannot be read offline counts as torch, whose kernels keep more (the safe side)."""
+    """The kernel set whose memory the run's workers hold: model.kernels resolved as the workers resolve it
+    (workers/kernels resolve_kernels; torch-free here), its layers counted as compiled under train.compile
+    (what the compiler's partitioner saves): `compiled` for the torch set, `compiled_liger_loss` for
+    liger_loss. auto is liger on GPU workers when liger-kernel is installed and the model's family is one
+    it covers (liger_loss under train.compile: the compiler fuses the layers itself), torch otherwise. A
+    family that cannot be read offline counts as torch, whose kernels keep more (the safe side)."""
+    chosen = _resolved_kernels(config)
+    if not config.train.compile or chosen == "liger":
+        return chosen
+    return {"torch": "compiled", "liger_loss": "compiled_liger_loss"}[chosen]
+
+
+def _resolved_kernels(config: SkrullConfig) -> str:
+    """model.kernels as the workers resolve it: torch | liger | liger_loss (auto under train.compile)."""
     import importlib.util
 
     from app.model.support import model_config_dict
@@ -208,12 +218,13 @@ def kernel_set_of(config: SkrullConfig) -> str:
     chosen = config.model.kernels
     if chosen != "auto":
         return chosen
-    if config.train.compile or config.resources.gpus_per_worker <= 0:
+    if config.resources.gpus_per_worker <= 0:
         return "torch"
     family = TINY_MODEL_TYPES.get(config.model.name_or_path) or (
         model_config_dict(config.model) or {}).get("model_type")
-    installed = importlib.util.find_spec("liger_kernel") is not None
-    return "liger" if installed and family in LIGER_FAMILIES else "torch"
+    if importlib.util.find_spec("liger_kernel") is None or family not in LIGER_FAMILIES:
+        return "torch"
+    return "liger_loss" if config.train.compile else "liger"
 
 
 def configured_checkpointing(config: SkrullConfig, offload: bool | None = None) -> Checkpointing:
@@ -232,7 +243,7 @@ def memory_terms(config: SkrullConfig, *, zero_stage: int | None = None, offload
                  profile: HardwareProfile | None = None, kernels: str | None = None,
                  checkpointing: Checkpointing | None = None) -> MemoryTerms:
     """The module docstring's terms for `config` (zero_stage / offload / profile / checkpointing / kernels:
-    None = the config's; `kernels`: torch | liger)."""
+    None = the config's; `kernels`: torch | liger | compiled)."""
     kernels = kernels or kernel_set_of(config)
     profile = profile or load_hardware_profile(config.hardware.profile)
     dims = model_dims(config.model, config.data.tokenizer)

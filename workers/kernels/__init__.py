@@ -2,6 +2,8 @@
 
     KERNEL_SETS["torch"]   transformers' own RMSNorm / gated MLP / RoPE, workers/loss.py's chunked linear CE
     KERNEL_SETS["liger"]   liger-kernel's fused Triton kernels for the same four (CUDA only)
+    KERNEL_SETS["liger_loss"]  transformers' modules in the layers, liger's fused linear cross-entropy for
+                           the loss (CUDA only): `auto` under train.compile, whose compiler fuses the layers
 
 A set is applied once to a built model (`apply`: patches module instances, sets the loss head's linear
 cross-entropy), and `activate`d in the process before the model runs: RoPE is a module-level function of
@@ -10,7 +12,8 @@ whose model runs next must be the one installed there (one model per process in 
 activates each variant's set before its step).
 
 `model.kernels: auto` resolves, per worker, to liger when the worker's device is CUDA, liger-kernel
-imports and the model's family is one liger's functions cover here, else torch.
+imports and the model's family is one liger's functions cover here (liger_loss under train.compile), else
+torch.
 """
 
 from __future__ import annotations
@@ -51,9 +54,10 @@ def kernels_problem(setting: str, *, on_gpu: bool, available: bool | None = None
     return None
 
 
-def resolve_kernels(setting: str, device: torch.device, model_type: str) -> str:
+def resolve_kernels(setting: str, device: torch.device, model_type: str, *, compile: bool = False) -> str:
     """The kernel set a worker on `device` runs for model.kernels=`setting` (ValueError naming the knob when
-    liger is asked where it cannot run)."""
+    liger is asked where it cannot run); `compile`: train.compile, under which `auto` leaves the layers'
+    elementwise ops to the compiler and takes liger's loss alone (liger_loss) where liger would run."""
     if setting == "torch":
         return "torch"
     fits = model_type in KERNEL_FAMILIES
@@ -65,7 +69,9 @@ def resolve_kernels(setting: str, device: torch.device, model_type: str) -> str:
             raise ValueError(f"model.kernels=liger covers the {', '.join(KERNEL_FAMILIES)} families; this "
                              f"model is {model_type!r}: use model.kernels=torch (or auto)")
         return "liger"
-    return "liger" if device.type == "cuda" and liger_available() and fits else "torch"
+    if device.type == "cuda" and liger_available() and fits:
+        return "liger_loss" if compile else "liger"
+    return "torch"
 
 
 def kernel_set(name: str) -> KernelSet:
@@ -78,4 +84,8 @@ def kernel_set(name: str) -> KernelSet:
         from workers.kernels.liger_set import LigerKernels
 
         return LigerKernels()
+    if name == "liger_loss":
+        from workers.kernels.liger_loss_set import LigerLossKernels
+
+        return LigerLossKernels()
     raise ValueError(f"model.kernels={name!r} is not one of: auto, torch, liger")

@@ -21,7 +21,8 @@ and, all ranks at once as in training (on a CPU host they share its cores, as tr
     optimizer   DeepSpeed's `engine.step()` (ZeRO-2 partitioned Adam + parameter all-gather)
     memory      peak memory of forward+backward above the memory before it, per stream size, with no
                 layer recomputed ("memory"), every layer recomputed ("memory_checkpointed") and, on CUDA,
-                recomputed with the saved inputs in host memory ("memory_offloaded"): one model, its
+                recomputed with the saved inputs in host memory ("memory_offloaded"): one model, built
+                as a worker builds it (its kernel set, its layers compiled under train.compile), its
                 transformers checkpointing switched between the passes
     steps       whole training steps (`run_step`: every micro-batch of a planned payload, then the
                 optimizer step) of the payloads app/profiling/steps.py planned, after one untimed step;
@@ -207,8 +208,9 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
     zero = ZeroGroups.create(timeout)
     said = _Progress(rank)
     torch.manual_seed(s.seed)
-    model = s.model.build().to(device)
-    model.train()
+    # The memory cases' model is built as the workers build theirs (kernel set applied, layers compiled
+    # under train.compile): app/commands/profile.py models its peaks with that kernel set.
+    model = s.model.build_on(device)
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     engine = build_engine(s.model, s.deepspeed, device, s.seed, zero, overlap_comm=s.overlap_comm,
                           one_rank_zero1=s.one_rank_zero1)

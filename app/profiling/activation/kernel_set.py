@@ -1,7 +1,8 @@
 """What one kernel set's forward keeps, as bytes per token: the protocol each set's module implements.
 
-A kernel set (`model.kernels`: torch | liger) decides which tensors a forward saves for its backward. Each
-set is one module (torch_kernels.py, liger_kernels.py) registered in KERNEL_SETS
+A kernel set (`model.kernels`: torch | liger; `compiled`: torch's layers under train.compile) decides which
+tensors a forward saves for its backward. Each set is one module (torch_kernels.py, liger_kernels.py,
+compiled_kernels.py) registered in KERNEL_SETS
 (app/profiling/activation/__init__.py); phases.py turns their bytes into a micro-batch's peak.
 """
 
