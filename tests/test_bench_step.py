@@ -76,6 +76,9 @@ def test_bench_step_json_on_the_tiny_config(tmp_path: Path) -> None:
         assert (tmp_path / "trace" / f"{name}.json").stat().st_size > 0
         assert len(variant["top_ops"]) == 15 and variant["top_ops"][0]["self_ms"] > 0
         assert "device_time" not in variant  # CPU: no device timeline
+        phases = variant["engine_phases_s"]  # the engine build's split (workers/engine.py engine_phases)
+        assert list(phases)[:2] == ["import", "model"] and list(phases)[-2:] == ["deepspeed", "other"]
+        assert all(v >= 0 for v in phases.values()) and phases["model"] > 0 and phases["deepspeed"] > 0
     today, fused = result["variants"]["today"], result["variants"]["fused"]
     assert today["bucket_size"] == 1024 and fused["bucket_size"] == 256
     assert fused["micro_batches"] > today["micro_batches"]  # a smaller C: more micro-batches, same rows

@@ -247,6 +247,33 @@ def test_report_json_is_the_runs_history_from_the_run_directory_alone(watched_ru
     assert len(text.splitlines()) <= 24  # one screen
 
 
+DRIVER_PHASES = ["preflight", "ray_start", "data", "planner", "workers", "shutdown", "export", "finish"]
+"""TrainSummary.phases_s's keys, in their order (app/train/driver.py)."""
+
+
+def test_the_summary_and_the_records_split_the_wall_time(watched_run) -> None:
+    """`train --json`'s phases_s: the driver's own split of wall_s, every phase measured and their sum
+    within it; the first step's engine_phases_s adds up to its engine_s; the last step, the one that saved
+    the checkpoint, carries checkpoint_s (no other step does); metrics.jsonl keeps both."""
+    summary, _ = watched_run
+    public = summary.to_json_dict()
+    phases = public["phases_s"]
+    assert list(phases) == DRIVER_PHASES and phases == summary.phases_s
+    assert all(isinstance(v, float) and v >= 0 for v in phases.values()), phases
+    assert phases["workers"] > 0 and sum(phases.values()) <= public["wall_s"] + 0.05
+    first, last = summary.history[0], summary.history[-1]
+    engine = first["engine_phases_s"]
+    assert list(engine)[:2] == ["import", "model"] and list(engine)[-2:] == ["deepspeed", "other"]
+    assert all(v >= 0 for v in engine.values()) and engine["model"] > 0 and engine["deepspeed"] > 0
+    assert sum(engine.values()) == pytest.approx(first["engine_s"], abs=1e-6)
+    assert last["checkpoint_s"] > 0 and not any("checkpoint_s" in h for h in summary.history[:-1])
+    inside = sum(h["step_s"] for h in summary.history) + first["engine_s"] + first["warmup_s"] + \
+        last["checkpoint_s"]
+    assert phases["workers"] > inside  # the worker group's whole life is inside the driver's fit
+    records = read_jsonl(Path(summary.run_dir) / METRICS_FILE)
+    assert records[0]["engine_phases_s"] == engine and records[-1]["checkpoint_s"] == last["checkpoint_s"]
+
+
 def test_report_plot_writes_a_png(watched_run, tmp_path: Path) -> None:
     import matplotlib.image
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypedDict
@@ -181,6 +182,48 @@ def for_world_size(ds_config: DeepSpeedConfig, overlap_comm: str, world_size: in
     return ds_config if zero is ds_config["zero_optimization"] else {**ds_config, "zero_optimization": zero}
 
 
+BUILD_PHASES = "skrull_build_phases"
+"""Attribute of a built engine: {phase: wall seconds} of build_engine (PhaseClock), in the order they ran."""
+
+
+class PhaseClock:
+    """Wall seconds (time.perf_counter) of consecutive phases, each ended by `lap(name)`.
+
+    On CUDA every lap first waits for the device (torch.cuda.synchronize), so a phase's queued kernels and
+    copies count in it rather than in the next. Used by build_engine alone, never inside a training step.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        """End phase `name` now (a name given twice adds up)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+
+def build_phases(engine: Any) -> dict[str, float]:
+    """The build phases build_engine attached to `engine` ({} for an engine built otherwise)."""
+    return dict(getattr(engine, BUILD_PHASES, {}))
+
+
+def engine_phases(engine: Any, total_s: float) -> dict[str, float]:
+    """build_engine's phases of `engine`, then "other": the rest of `total_s`, the caller's own timing of the
+    engine's making (its process groups; a checkpoint loaded into it)."""
+    phases = build_phases(engine)
+    return {**phases, "other": max(0.0, total_s - sum(phases.values()))}
+
+
+def phases_text(phases: dict[str, float]) -> str:
+    """`model 3.1 s, device 0.4 s, ...`: the phases in their order, for a log line."""
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items())
+
+
 def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.device, seed: int,
                  groups: ZeroGroups | None = None, lr_schedule: LrSchedule | None = None,
                  overlap_comm: str = "auto", one_rank_zero1: bool = True) -> Any:
@@ -190,7 +233,14 @@ def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.devi
     following `lr_schedule` (workers/lr_schedule.py; None: constant). `overlap_comm`, `one_rank_zero1`:
     train.overlap_comm and train.one_rank_zero1 (for_world_size). With torch's fused AdamW the ZeRO-1/2
     step runs on the device alone (workers/zero_step.py, workers/bf16_step.py), when the engine allows it
-    (else DeepSpeed's own step, said once)."""
+    (else DeepSpeed's own step, said once).
+
+    The engine's `skrull_build_phases` (BUILD_PHASES) holds the wall seconds of each phase, ended on the
+    device (PhaseClock): "import" (DeepSpeed imported), then ModelSpec.build_on's "model", "device",
+    "kernels" (and "compile" with train.compile), then "deepspeed" (deepspeed.initialize: the engine, its
+    ZeRO or BF16 optimizer with the fp32 master weights, the LR scheduler; then this project's optimizer
+    hooks: bf16_accumulate, the device step)."""
+    clock = PhaseClock(device)
     use_extensions_cache_per_environment()  # before DeepSpeed builds its ops
     deepspeed = import_deepspeed()
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -200,9 +250,11 @@ def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.devi
         print(f"[skrull] one worker: ZeRO stage {asked} runs as stage 1 (the same state on one rank, without "
               "ZeRO-2's per-micro-batch bucket work; train.one_rank_zero1=false keeps it)", flush=True)
 
+    clock.lap("import")
     torch.manual_seed(seed)  # identical initial weights on every rank for random-init models
     zero3 = dict(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None
-    model = spec.build_on(device, zero3=zero3, group=groups.data if groups is not None else None)
+    model = spec.build_on(device, zero3=zero3, group=groups.data if groups is not None else None,
+                          lap=clock.lap)
     prepare_for_zero(model, ds_config)
     engine, *_ = deepspeed.initialize(model=model, config=dict(ds_config), mpu=groups,
                                       model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -219,6 +271,8 @@ def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.devi
         # bytes per parameter at the step) to reduce it with itself. BF16_Optimizer needs nothing else of
         # that call (ZeRO's optimizers do: their gradients arrive through it).
         engine.enable_backward_allreduce = False
+    clock.lap("deepspeed")
+    setattr(engine, BUILD_PHASES, clock.phases)
     return engine
 
 

@@ -48,7 +48,14 @@ from workers.checkpoints import (
     universal_dir,
 )
 from workers.distributed import ParallelGroups
-from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine, for_world_size
+from workers.engine import (
+    DeepSpeedConfig,
+    ZeroGroups,
+    build_engine,
+    engine_phases,
+    for_world_size,
+    phases_text,
+)
 from workers.eval_step import EvalSet, is_eval_step
 from workers.hf_export import export_complete, export_engine
 from workers.lr_schedule import LrSchedule
@@ -138,6 +145,9 @@ def _report(window: list[dict[str, Any]], engine: DeepSpeedEngine, payload: Rank
     (the driver's progress bar and summary read that). Returns why the run stops (a checkpoint that could
     not be written; its step's metrics then carry the reason as "stopped"), or None. A checkpoint keeps
     `calibration`, the planner's online fit when the step was fetched (a resume plans with it).
+    A step that saves carries `checkpoint_s`: the wall seconds of save_checkpoint (DeepSpeed's shard
+    written, hashed and moved into the run's storage, every rank's outcome gathered); the report that
+    registers it with Ray Train comes after, and world rank 0 prints both in one line.
     """
     import ray.train
     from ray.train import CheckpointUploadMode
@@ -148,15 +158,21 @@ def _report(window: list[dict[str, Any]], engine: DeepSpeedEngine, payload: Rank
                                 tag=f"step{payload.step}", world_size=groups.world_size,
                                 dp_size=groups.dp_size, cp_size=groups.cp_size, spares=groups.spares,
                                 calibration=calibration, zero_stage=engine.zero_optimization_stage())
+        started = time.perf_counter()
         saved = save_checkpoint(engine, state, groups.world_group, run_dir)
+        window[-1]["checkpoint_s"] = time.perf_counter() - started
         if saved.failure is not None:
             window[-1]["stopped"] = saved.failure
     metrics = {**window[-1], "history": window}
+    reported = time.perf_counter()
     if saved is None or saved.checkpoint is None:
         ray.train.report(metrics)
     else:
         ray.train.report(metrics, checkpoint=saved.checkpoint, checkpoint_dir_name=saved.name,
                          checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+    if saved is not None and dist.get_rank() == 0:
+        print(f"[skrull] checkpoint of step {payload.step} saved in {window[-1]['checkpoint_s']:.1f} s, "
+              f"reported to Ray Train in {time.perf_counter() - reported:.1f} s", flush=True)
     return saved.failure if saved is not None else None
 
 
@@ -317,8 +333,10 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
            *, resumed: int, session: str, is_rank0: bool, engine_s: float = 0.0) -> None:
     """Steps resumed+1 .. total_steps: fetch, step, log window, report (with a checkpoint when due); stops
     early, on every rank alike, at a non-finite step or a checkpoint that could not be written. The first
-    step this start reports carries its start-up: `engine_s` (the engine built, the checkpoint loaded) and
-    `warmup_s` (the warm-up micro-batch, to the device's end of it)."""
+    step this start reports carries its start-up: `engine_s` (the engine built, the checkpoint loaded), its
+    split `engine_phases_s` (build_engine's phases and "other": workers/engine.py engine_phases) and
+    `warmup_s` (the warm-up micro-batch, to the device's end of it). With train.export_on_finish, world
+    rank 0 prints the seconds of the export after the last step."""
     planner = PlannerClient(settings.planner, timeout_s=settings.planner_timeout_s)
     window = MetricsWindow(spare=groups.is_spare)
     guard = NonFiniteGuard(settings.nonfinite, knob_values(settings.deepspeed), last_checkpoint_step=resumed)
@@ -328,10 +346,12 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
     eval_set = EvalSet.fetch(settings.planner, groups, timeout_s=settings.planner_timeout_s) \
         if settings.eval_every else None
     observe = planner.observe if is_rank0 and settings.calibration else None
-    startup = {"engine_s": engine_s, "warmup_s": _timed_warm_up(settings, engine, groups, device)}
+    phases = engine_phases(engine, engine_s)
+    startup = {"engine_s": engine_s, "engine_phases_s": phases,
+               "warmup_s": _timed_warm_up(settings, engine, groups, device)}
     if is_rank0:
-        print(f"[skrull] engine ready in {engine_s:.1f} s, warm-up micro-batch {startup['warmup_s']:.1f} s",
-              flush=True)
+        print(f"[skrull] engine ready in {engine_s:.1f} s ({phases_text(phases)}), warm-up micro-batch "
+              f"{startup['warmup_s']:.1f} s", flush=True)
 
     def flushed() -> list[dict[str, Any]]:
         metrics = [m | shape for m in window.flush(groups.world_group)]
@@ -373,7 +393,10 @@ def _train(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGr
             if save:
                 guard.last_checkpoint_step = step
     if settings.export_on_finish:  # every step trained and the last one checkpointed
+        started = time.perf_counter()
         export_engine(engine, settings.model, settings.run_dir, step=last, group=groups.world_group)
+        if is_rank0:
+            print(f"[skrull] export streamed in {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def _timed_warm_up(settings: WorkerSettings, engine: DeepSpeedEngine, groups: ParallelGroups,

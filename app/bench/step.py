@@ -172,7 +172,8 @@ def summarize(name: str, config: SkrullConfig, result: dict[str, Any], payloads:
         "activation_checkpointing": config.train.activation_checkpointing,
         "losses": [r.loss for r in result["readings"]], "applied": [r.applied for r in result["readings"]],
         "step_times": [r.step_s for r in result["readings"]],
-        **{key: result[key] for key in ("top_ops", "device_time") if result.get(key) is not None},
+        **{key: result[key] for key in ("top_ops", "device_time", "engine_phases_s")
+           if result.get(key) is not None},
     }
 
 

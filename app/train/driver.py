@@ -16,7 +16,7 @@ import _thread
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -68,6 +68,20 @@ class TrainSummary:
     wall_s: float = 0.0
     """This call's wall seconds, from its start to the summary: with the steps' step_s and the first step's
     engine_s and warmup_s, what a run spends outside its steps (Ray, data, start-up, the final save)."""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """The driver's own split of wall_s (DriverPhases: time.monotonic, consecutive, in this order; their sum
+    is wall_s up to the summary's making):
+    preflight  the model's dimensions and bucket size resolved, the data resolved (preflight), the run's
+               lock, resume check, config snapshot and console: everything before Ray
+    ray_start  ray_session entered (an embedded Ray started, or RAY_ADDRESS's joined)
+    data       prepared_data: the rows tokenized once and scanned (Ray Data)
+    planner    the planner's data put in the object store, the PlannerActor, RunMonitor and TorchTrainer made
+    workers    fit_with_progress, from the trainer's fit start to its end: the worker group started, each
+               worker's engine built and warmed up, the steps, the checkpoints (the last step's
+               checkpoint_s), the workers' export streaming (train.export_on_finish), the group's end
+    shutdown   ray_session left (an embedded Ray shut down)
+    export     publish_export (train.export_on_finish; else ~0): the driver completes and publishes hf/
+    finish     the console closed (a remote run's mirror pushed to its storage), the run's lock released"""
 
     @property
     def losses(self) -> list[float]:
@@ -95,17 +109,34 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     from before its first write to the end: a second call on the same run stops with RunLocked.
     """
     started = time.monotonic()
+    clock = DriverPhases(started)
     check_model_source(config.model)  # a hub id's config.json into the local cache: the dimensions' source
     config = _with_bucket_size(config, out)
     name = run_name(config)
     try:
         with sigterm_stops_like_ctrl_c():
             summary = _train_locked(config, name, progress=progress, quiet=quiet, worker_logs=worker_logs,
-                                    out=out)
-            return replace(summary, wall_s=time.monotonic() - started)
+                                    out=out, clock=clock)
+            clock.lap("finish")
+            return replace(summary, wall_s=time.monotonic() - started, phases_s=clock.phases)
     except KeyboardInterrupt as err:  # Ray (embedded: every process of it) is already shut down here
         stopped_by = signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
         raise RunInterrupted(name, run_location_of(config, name), stopped_by) from err
+
+
+class DriverPhases:
+    """Wall seconds (time.monotonic) of a `train` call's consecutive phases (TrainSummary.phases_s), each
+    ended by `lap(name)`."""
+
+    def __init__(self, started: float) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = started
+
+    def lap(self, name: str) -> None:
+        """End phase `name` now (a name given twice adds up)."""
+        now = time.monotonic()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 def _with_bucket_size(config: SkrullConfig, out: TextIO | None) -> SkrullConfig:
@@ -129,7 +160,7 @@ def _with_bucket_size(config: SkrullConfig, out: TextIO | None) -> SkrullConfig:
 
 
 def _train_locked(config: SkrullConfig, name: str, *, progress: bool, quiet: bool, worker_logs: bool,
-                  out: TextIO | None) -> TrainSummary:
+                  out: TextIO | None, clock: DriverPhases) -> TrainSummary:
     """preflight, the run's lock, the resume check and snapshot, then the run under its console."""
     data = preflight(config)
     run = run_storage(config, name)
@@ -146,14 +177,18 @@ def _train_locked(config: SkrullConfig, name: str, *, progress: bool, quiet: boo
         run_dir = run.local or pull_mirror(run)
         remote = None if run.is_local else run
         with run_console(run_dir, quiet=quiet, out=out, existed=existed, remote=remote) as terminal:
-            return _run(config, data, name, run_dir, progress=progress, worker_logs=worker_logs, out=terminal)
+            return _run(config, data, name, run_dir, progress=progress, worker_logs=worker_logs, out=terminal,
+                        clock=clock)
 
 
 def _run(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, progress: bool,
-         worker_logs: bool, out: TextIO) -> TrainSummary:
+         worker_logs: bool, out: TextIO, clock: DriverPhases) -> TrainSummary:
+    clock.lap("preflight")
     with ray_session(config, worker_logs=worker_logs) as embedded:
+        clock.lap("ray_start")
         reports, checkpoint, starts = _fit(config, data, name, run_dir, progress=progress, out=out,
-                                           embedded=embedded)
+                                           embedded=embedded, clock=clock)
+    clock.lap("shutdown")
     # A restarted worker group re-runs the steps after its checkpoint: the last report of a step counts.
     history = sorted({h["step"]: h for h in reports}.values(), key=lambda h: h["step"])
     total_time = sum(h["step_s"] for h in history)
@@ -167,6 +202,7 @@ def _run(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
                                 template=data.chat_template_text, tokenizer=data.tokenizer)
         print(f"the trained model: {export} (AutoModelForCausalLM.from_pretrained"
               f"{'; a peft adapter' if config.model.lora.r else ''})", file=out, flush=True)
+    clock.lap("export")
     return TrainSummary(
         steps=len(history), samples=sum(int(h["samples"]) for h in history),
         tokens=sum(int(h["tokens"]) for h in history), loss_first=history[0]["loss"],
@@ -177,8 +213,9 @@ def _run(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
 
 
 def _fit(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, progress: bool, out: TextIO,
-         embedded: bool) -> tuple[list[dict[str, Any]], str | None, list[dict[str, Any]]]:
-    """Tokenize, scan, start the planner and the workers.
+         embedded: bool, clock: DriverPhases
+         ) -> tuple[list[dict[str, Any]], str | None, list[dict[str, Any]]]:
+    """Tokenize, scan, start the planner and the workers (the phases data, planner, workers of `clock`).
 
     Returns (per-step metrics, final checkpoint path, the worker group's starts).
     """
@@ -188,6 +225,7 @@ def _fit(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
     from scheduling.actor import PlannerData
 
     prepared = prepared_data(config, data, progress=progress, out=out, embedded=embedded, run_dir=run_dir)
+    clock.lap("data")
     total_steps = total_steps_of(config, prepared.usable_rows)
     if progress:
         print(steps_line(config, total_steps, prepared.usable_rows), file=out, flush=True)
@@ -198,6 +236,7 @@ def _fit(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
     run = run_location_of(config, name)
     settings = worker_settings(config, planner, monitor, total_steps, run.uri, tokenizer=data.tokenizer)
     trainer = make_trainer(config, settings, name, monitor, embedded=embedded)
+    clock.lap("planner")
     result, history = fit_with_progress(config, trainer, monitor, total_steps, progress=progress, out=out,
                                         run_dir=run_dir, run_name=name)
     if not history:
@@ -205,4 +244,6 @@ def _fit(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
     checkpoint = None
     if result.checkpoint is not None:  # a remote run's checkpoint as a URI (Ray Train gives a bucket path)
         checkpoint = result.checkpoint.path if run.is_local else str(run / Path(result.checkpoint.path).name)
-    return history, checkpoint, ray.get(monitor.starts.remote())
+    starts = ray.get(monitor.starts.remote())
+    clock.lap("workers")
+    return history, checkpoint, starts

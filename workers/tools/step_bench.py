@@ -1,7 +1,8 @@
 """The device side of `python -m app bench step`: the workers' own engine and step, one process, one device.
 
     one-rank process group (gloo on CPU, NCCL on CUDA; a FileStore: no socket)
-    per variant: build_engine (its kernels, compile, optimizer, DeepSpeed JSON) -> warm_up (C tokens)
+    per variant: build_engine (its kernels, compile, optimizer, DeepSpeed JSON) -> warm_up (C tokens);
+                 its build's phases (workers/engine.py engine_phases) -> `engine_phases_s`
     for step in 1 .. warmup + steps:
         for variant in that step's order (rotated by one each step, as bench train's policies):
             activate its kernel set; synchronize; run_step(sync=True)        (the training step itself)
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from scheduling.payload import RankPayload
 from workers.distributed import ParallelGroups
-from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine
+from workers.engine import DeepSpeedConfig, ZeroGroups, build_engine, engine_phases, phases_text
 from workers.kernels import kernel_set
 from workers.models import ModelSpec
 from workers.step import run_step, synchronize
@@ -82,6 +83,8 @@ class _Live:
     engine: Any
     groups: ParallelGroups
     resident: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    """engine_phases_s: build_engine's phases and "other" (this variant's process groups), wall seconds."""
     readings: list[StepReading] = field(default_factory=list)
 
 
@@ -123,6 +126,7 @@ def bench_steps(variants: list[StepVariant], *, device: torch.device, seed: int 
         measured = {e.variant.name: {"readings": e.readings, "kernels": e.engine.module.skrull_kernels,
                                      "optimizer": _optimizer_name(e.engine),
                                      "zero_stage": e.engine.zero_optimization_stage(),
+                                     "engine_phases_s": e.phases,
                                      **traces.get(e.variant.name, {})} for e in live}
         unbuilt = {v.name: {"error": clock.reason("before its engine was built")} for v in variants
                    if v.name not in measured and v.name not in failed}
@@ -193,11 +197,14 @@ def _build(variant: StepVariant, device: torch.device, seed: int) -> _Live:
     engine = build_engine(variant.model, variant.deepspeed, device, seed, zero,
                           overlap_comm=variant.overlap_comm, one_rank_zero1=variant.one_rank_zero1)
     built = time.perf_counter()
+    phases = engine_phases(engine, built - started)
     warm_up(engine, groups, device, tokens=variant.warmup_tokens, loss_chunk_tokens=variant.loss_chunk_tokens)
     synchronize(device)
-    live = _Live(variant=variant, engine=engine, groups=groups, resident=_allocated(device) - before)
-    _progress(f"{variant.name}: engine built in {built - started:.1f} s ({engine.module.skrull_kernels} "
-              f"kernels, {_optimizer_name(engine)}), warm-up micro-batch {time.perf_counter() - built:.1f} s")
+    live = _Live(variant=variant, engine=engine, groups=groups, resident=_allocated(device) - before,
+                 phases=phases)
+    _progress(f"{variant.name}: engine built in {built - started:.1f} s ({phases_text(phases)}; "
+              f"{engine.module.skrull_kernels} kernels, {_optimizer_name(engine)}), warm-up micro-batch "
+              f"{time.perf_counter() - built:.1f} s")
     return live
 
 
