@@ -17,18 +17,19 @@
 #   profile  `python -m app profile` of Qwen2.5-0.5B's shape (random weights, synthetic data) on this node's
 #            GPUs (DP 1 x CP = GPUs, at most 8) -> $OUT/gpu.yaml, a hardware profile of this machine
 #   bench    `python -m app bench train` of the same run, with $OUT/gpu.yaml (else configs/hardware/h100.yaml)
-#   speed    the GPU-speed checks, each part time-boxed and written as it ends, in the order of what is still
-#            unmeasured on a GPU (docs/benchmarks.md "GPU speed"): `train` as written -> train.json;
-#            `profile` -> gpu.yaml; the CUDA tests of the knobs (tests/test_kernels_cuda.py); `bench peer
-#            --device cuda` (TRL in bf16) -> speed_peer.json; `bench step` of Qwen2.5-0.5B's shape at
-#            C = 16384 over the knobs (today's path, checkpointing every layer; all on without
-#            checkpointing; the device step on ZeRO-1 (one GPU's default) and on ZeRO-2; liger kernels;
-#            torch.compile) -> speed_step.json; all of it in speed.json. Its time boxes add up to 15
-#            minutes (the train part took 117 s on an H200, 75 of them outside its steps): more than one
-#            10-minute device call, so call it twice (the second time with
-#            SKRULL_GPU_CHECK_SPEED_PARTS=peer,step, or what the first left undone). `train` with
-#            bucket_size and checkpointing auto (train_auto.json) runs when named in the parts.
-#            Not part of `all`.
+#   speed    the GPU-speed checks in one budget of SKRULL_GPU_CHECK_SPEED_BUDGET_S seconds (default 360: the
+#            6 minutes docs/benchmarks.md "GPU speed" asks for), in the order of what is still unmeasured on
+#            a GPU, each part under the smaller of its cap and the time left (a part with under 20 s left
+#            is skipped, and says so): `profile` -> gpu.yaml; the CUDA tests of the knobs
+#            (tests/test_kernels_cuda.py); `bench peer --device cuda` (TRL in bf16) -> speed_peer.json;
+#            `bench step` of Qwen2.5-0.5B's shape at C = 16384 over the knobs (today's path, checkpointing
+#            every layer; all on without checkpointing, with liger or compiled (liger's loss alone); the
+#            device step on ZeRO-1 (one GPU's default) and on ZeRO-2; liger kernels; torch.compile) ->
+#            speed_step.json; `train` with the config's
+#            defaults (bucket_size and checkpointing auto) -> train_auto.json. All of it in speed.json, with
+#            `complete` (every part ran and passed, the matrix was not cut); exit 1 unless complete. The
+#            parts to run: SKRULL_GPU_CHECK_SPEED_PARTS (default profile,cuda_tests,peer,step,train; add
+#            train_as_written for the train stage at C = 16384 -> train.json). Not part of `all`.
 #   all      every stage in that order, stopping at the first that fails; install is skipped when torch,
 #            ray and deepspeed already import in the stages' python
 # Without CUDA it fails at once, saying so.
@@ -229,12 +230,19 @@ gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 keys = ("status", "steps", "tokens", "loss_first", "loss_last", "tokens_per_s", "tokens_per_s_median",
         "mfu_median", "step_s_median", "predicted_step_s_median", "profile_ratio")
 # Where the call's wall time went: the steps, the first step's engine build and warm-up, the rest (Ray,
-# data, the planner, the final checkpoint and export).
+# data, the planner, the final checkpoint and export). phases_s: the driver's split of wall_s (TrainSummary);
+# engine_phases_s: the engine build's (workers/engine.py); checkpoint_s: the last step's checkpoint save;
+# workers_other_s: what the driver's "workers" phase holds beyond the steps, the start-up and that save (the
+# worker group's start and end, the workers' imports, the export streaming).
 steps_s = sum(h["step_s"] for h in history)
 startup = {key: history[0].get(key) for key in ("engine_s", "warmup_s")}
+phases, checkpoint_s = summary.get("phases_s") or {}, history[-1].get("checkpoint_s")
 wall = {"wall_s": summary.get("wall_s"), "steps_s": steps_s, **startup,
         "other_s": summary["wall_s"] - steps_s - sum(v or 0 for v in startup.values())
-        if summary.get("wall_s") else None}
+        if summary.get("wall_s") else None,
+        "phases_s": phases, "engine_phases_s": history[0].get("engine_phases_s"), "checkpoint_s": checkpoint_s,
+        "workers_other_s": phases["workers"] - steps_s - sum(v or 0 for v in startup.values())
+        - (checkpoint_s or 0) if "workers" in phases else None}
 result = {
     "run_dir": run_dir, **{key: report[key] for key in keys}, "time": wall,
     "profile": config.hardware.profile, "peak_flops": cost.profile.peak_flops,
@@ -267,9 +275,17 @@ print(f"  step time   {num(r['step_s_median'])} s measured, {num(r['predicted_st
       f"(medians; hardware.profile={config.hardware.profile}, predicted / measured {num(r['profile_ratio'])})")
 print(f"  GPU memory  {gb(measured)} peak allocated, {gb(predicted)} predicted (static, runtime and "
       f"loss {gb(static)} + {alpha / 1e3:.0f} KB/token x bucket {bucket}; recompute {terms.recompute})")
+def split(parts):
+    return ", ".join(f"{key} {value:.1f} s" for key, value in (parts or {}).items()) or "-"
+
+
 print(f"  wall time   {num(wall['wall_s'], '.0f')} s: steps {num(steps_s, '.0f')} s, engine "
       f"{num(wall['engine_s'], '.1f')} s, warm-up {num(wall['warmup_s'], '.1f')} s, the rest (Ray, data, the "
-      f"final checkpoint and export) {num(wall['other_s'], '.0f')} s")
+      f"final checkpoint and export) {num(wall['other_s'], '.0f')} s; final checkpoint "
+      f"{num(checkpoint_s, '.1f')} s")
+print(f"              driver: {split(phases)}; in workers, beyond steps, start-up and checkpoint: "
+      f"{num(wall['workers_other_s'], '.1f')} s")
+print(f"              engine: {split(wall['engine_phases_s'])}")
 print(f"train.json: {sys.argv[2]}")
 if r["status"] != "finished":
     sys.exit(f"gpu_check train: the run is {r['status']!r}, not finished")
@@ -298,15 +314,17 @@ stage_bench() {
 # speed: the GPU-speed matrix (the header says what): each part in a process of its own under its own time
 # limit, its JSON written as it ends. SKRULL_GPU_CHECK_SPEED_{PARTS,VARIANTS,SET,STEPS} are for the CPU test.
 SPEED_STEPS=${SKRULL_GPU_CHECK_SPEED_STEPS:-3}
-SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-train,profile,cuda_tests,peer,step}
+SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-profile,cuda_tests,peer,step,train}
 TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false"
 TODAY="$TODAY,train.activation_checkpointing=true,train.one_rank_zero1=false"  # the path before the knobs
 STEP_ON="train.optimizer_impl=fused,train.overlap_comm=auto"
-# Built in this order, so that a part that runs out of time (--max-seconds) has compared all with today
-# before it builds the slowest variant, compile.
+# Built in this order, so that a part that runs out of time (--max-seconds) has compared the two all-on
+# candidates for the GPU configs' defaults (liger; compiled layers with liger's loss) with today first,
+# then each knob alone.
 SPEED_VARIANTS=(
   "today:$TODAY"
   "all:$STEP_ON,model.kernels=liger,train.compile=false,train.activation_checkpointing=false"
+  "all_compiled:$STEP_ON,model.kernels=auto,train.compile=true,train.activation_checkpointing=false"
   "zero1:$TODAY,$STEP_ON,train.one_rank_zero1=true"
   "device_step:$TODAY,$STEP_ON"
   "liger:$TODAY,model.kernels=liger"
@@ -326,9 +344,10 @@ stage_speed_step() {
   speed_sets --set data.num_samples=$((64 * (SPEED_STEPS + 1))) --set scheduling.bucket_size=16384 \
     --set hardware.profile=h100
   for v in "${variants[@]}"; do SETS+=(--variant "$v"); done
-  # --max-seconds inside the part's time box: a matrix that runs long reports the steps it measured
+  # --max-seconds inside the part's time limit (45 s for the last build, warm-up and exit): a matrix that
+  # runs long reports the steps it measured
   run_json speed_step "$py" -m app bench step "${SETS[@]}" --steps "$SPEED_STEPS" --warmup 1 \
-    --max-seconds "${SPEED_STEP_BUDGET_S:-195}" --json
+    --max-seconds "$(( ${SPEED_PART_LIMIT_S:-240} - 45 ))" --json
 }
 stage_speed_peer() {
   need_cuda
@@ -345,64 +364,92 @@ profile_progress() {  # what a stopped profile had measured: its workers' progre
   echo "gpu_check speed: profile stopped; its workers' last progress lines:"
   grep -h "\[skrull\] profile:" "${RAY_TMPDIR:-/tmp/ray}"/session_latest/logs/worker-*.out 2>/dev/null | tail -n 8
 }
-part() {  # part NAME LIMIT_S STAGE [ENV=VALUE ...]: one part as `gpu_check.sh STAGE`, time-boxed
-  local name=$1 limit=$2 target=$3 started rc
+# The speed stage's parts share one budget (SPEED_BUDGET_S from the stage's start, 6 minutes by default):
+# each runs under the smaller of its own cap and the time left, and a part with under SPEED_MIN_PART_S left
+# is skipped. Unused time flows to the parts after it. speed_parts.txt: "name exit seconds limit" per part
+# (exit "skipped" for a skipped one).
+SPEED_BUDGET_S=${SKRULL_GPU_CHECK_SPEED_BUDGET_S:-360}
+SPEED_MIN_PART_S=20
+part() {  # part NAME CAP_S STAGE [ENV=VALUE ...]: one part as `gpu_check.sh STAGE`, time-boxed
+  local name=$1 cap=$2 target=$3 started rc limit
   shift 3
   [[ ",$SPEED_PARTS," == *",$name,"* ]] || return 0
+  limit=$(( SPEED_DEADLINE - $(date +%s) ))
+  [ "$limit" -gt "$cap" ] && limit=$cap
+  if [ "$limit" -lt "$SPEED_MIN_PART_S" ]; then
+    echo "$name skipped 0 $limit" >> "$OUT/speed_parts.txt"
+    echo "gpu_check speed: $name skipped: ${limit} s left of the ${SPEED_BUDGET_S} s budget"
+    speed_summary >/dev/null
+    return 0
+  fi
   started=$(date +%s)
-  env "$@" PYTHON="$py" SKRULL_GPU_CHECK_STAGE="$target" timeout -k 10 "$limit" bash "$0" "$target"
+  env "$@" PYTHON="$py" SKRULL_GPU_CHECK_STAGE="$target" SPEED_PART_LIMIT_S="$limit" \
+    timeout -k 10 "$limit" bash "$0" "$target"
   rc=$?
   [ "$rc" = 124 ] && [ "$target" = profile ] && profile_progress | tee -a "$OUT/profile.log"
-  echo "$name $rc $(( $(date +%s) - started ))" >> "$OUT/speed_parts.txt"
-  echo "gpu_check speed: $name exit $rc after $(( $(date +%s) - started )) s"
+  echo "$name $rc $(( $(date +%s) - started )) $limit" >> "$OUT/speed_parts.txt"
+  echo "gpu_check speed: $name exit $rc after $(( $(date +%s) - started )) s (limit $limit s)"
   speed_summary >/dev/null
 }
 stage_speed() {
   need_cuda
   rm -f "$OUT/speed_parts.txt"
   touch "$OUT/speed_parts.txt"
-  # In the order of what is still unmeasured: a device call of 10 minutes ends before the last parts.
-  part train 150 train TRAIN_NAME=train
-  # profile took over 115 s on an H200 (2026-11-28; engine builds of about 30 s, every measurement case)
-  part profile 240 profile
-  part cuda_tests 90 speed_tests
-  part peer 180 speed_peer
-  part step 240 speed_step SPEED_STEP_BUDGET_S=195
-  # The train stage's run with the config's defaults (C and checkpointing from memory, on this GPU's
-  # profile when `profile` wrote one): the same rows, cut at the train stage's 16384 tokens, so that the
-  # one GPU need not hold the config's 131072-token maximum.
-  part train_auto 150 train TRAIN_NAME=train_auto \
+  SPEED_DEADLINE=$(( $(date +%s) + SPEED_BUDGET_S ))
+  # In the order of what is still unmeasured on a GPU (docs/benchmarks.md "GPU speed"); the caps are the
+  # most each may take when time is left (an H200, 2026-11-28: train 121 s; profile over 115 s).
+  part profile 150 profile
+  part cuda_tests 60 speed_tests
+  part peer 150 speed_peer
+  part step 240 speed_step
+  # `train` with the config's defaults (C and checkpointing from memory, on this GPU's profile when
+  # `profile` wrote one): the train stage's rows, cut at its 16384 tokens, so that the one GPU need not
+  # hold the config's 131072-token maximum.
+  part train 150 train TRAIN_NAME=train_auto \
     SKRULL_GPU_CHECK_TRAIN_SET="${SKRULL_GPU_CHECK_TRAIN_SET:-} scheduling.bucket_size=auto data.max_length=16384"
+  # The train stage as written (C = 16384), only when named in the parts.
+  part train_as_written 150 train TRAIN_NAME=train
   speed_summary
-  [ -z "$(awk '$2 != 0' "$OUT/speed_parts.txt")" ]
 }
-speed_summary() {  # speed.json from what the parts wrote so far (rewritten after every part)
-  "$py" - "$OUT" <<'EOF'
-"""speed.json: every part's exit status and seconds, the JSON each wrote, the profile, and the end of each
-part's output (one file holds it all: a lent machine may give back only a few files)."""
+speed_summary() {  # speed.json from what the parts wrote so far (rewritten after every part); exit 1 unless
+  # every part asked for ran to its end and passed, and the bench step matrix measured every variant
+  "$py" - "$OUT" "$SPEED_BUDGET_S" <<'EOF'
+"""speed.json: the budget, every part's exit status, seconds and time limit, the JSON each wrote, the
+profile, and the end of each part's output (one file holds it all: a lent machine may give back only a few
+files). `complete`: every part asked for ran and passed, and the bench step matrix was not cut short."""
 import json
 import sys
 from pathlib import Path
 
-out = Path(sys.argv[1])
+out, budget = Path(sys.argv[1]), int(sys.argv[2])
 parts = {}
 for line in (out / "speed_parts.txt").read_text().splitlines():
-    name, rc, seconds = line.split()
-    parts[name] = {"exit": int(rc), "seconds": int(seconds)}
-result = {"parts": parts}
-for key, file in (("bench_step", "speed_step.json"), ("train_auto", "train_auto.json"),
-                  ("train", "train.json"), ("peer", "speed_peer.json")):
+    name, rc, seconds, limit = line.split()
+    skipped = rc == "skipped"
+    status = "skipped" if skipped else "passed" if rc == "0" else "stopped" if rc in ("124", "137") else "failed"
+    parts[name] = {"exit": None if skipped else int(rc), "status": status, "seconds": int(seconds),
+                   "limit_s": int(limit)}
+result = {"budget_s": budget, "seconds": sum(p["seconds"] for p in parts.values()), "parts": parts}
+for key, file in (("bench_step", "speed_step.json"), ("train", "train_auto.json"),
+                  ("train_as_written", "train.json"), ("peer", "speed_peer.json")):
     try:
         result[key] = json.loads((out / file).read_text())
     except (OSError, ValueError):
         result[key] = None
+step_cut = (result["bench_step"] or {}).get("stopped_early") if "step" in parts else None
+if step_cut and parts["step"]["exit"] == 1:  # bench step's own exit status for a matrix it cut short
+    parts["step"]["status"] = "cut"
+result["complete"] = all(p["status"] == "passed" for p in parts.values()) and not step_cut
 profile = out / "gpu.yaml"
 result["profile"] = profile.read_text() if profile.exists() else None
 result["output_tails"] = {f.name: f.read_text(errors="replace")[-4000:]
                           for pattern in ("*.err", "*.log") for f in sorted(out.glob(pattern))}
 (out / "speed.json").write_text(json.dumps(result, indent=1) + "\n")
-failed = [name for name, p in parts.items() if p["exit"] != 0]
-print(f"speed.json: {out / 'speed.json'}" + (f" (failed: {', '.join(failed)})" if failed else ""))
+unfinished = [f"{name} ({p['status']}{': ' + step_cut if name == 'step' and step_cut else ''})"
+              for name, p in parts.items() if p["status"] != "passed"]
+print(f"speed.json: {out / 'speed.json'}: {result['seconds']} s of the {budget} s budget"
+      + (f"; not complete: {', '.join(unfinished)}" if unfinished else ", every part passed"))
+sys.exit(0 if result["complete"] else 1)
 EOF
 }
 
@@ -428,7 +475,7 @@ into it or onto its PYTHONPATH (docs/gpu-cluster.md, \"Offline install\"), or gi
     fi
   fi
   started=$(date +%s)
-  [ "$name" = speed ] && limit=${SKRULL_STAGE_TIMEOUT_S:-1200}  # its parts are time-boxed themselves
+  [ "$name" = speed ] && limit=${SKRULL_STAGE_TIMEOUT_S:-$(( SPEED_BUDGET_S + 60 ))}  # its parts: in its budget
   PYTHON=$py SKRULL_GPU_CHECK_STAGE=$name timeout -k 30 "$limit" bash "$0" "$name"
   rc=$?
   echo "gpu_check $name: exit $rc after $(( $(date +%s) - started )) s (results in $OUT)"

@@ -222,7 +222,19 @@ def test_the_train_stage_runs_its_command_line_on_cpu(tmp_path: Path) -> None:
     assert time["steps_s"] == pytest.approx(sum(r["step_s"] for r in records))
     assert time["other_s"] > 0 and time["wall_s"] == pytest.approx(
         time["steps_s"] + time["engine_s"] + time["warmup_s"] + time["other_s"])
-    assert "  wall time   " in result.stdout
+    # ... and its finer split: the driver's phases (within wall_s), the engine build's, the last checkpoint
+    summary = json.loads((out / "train_run.json").read_text())
+    phases = time["phases_s"]
+    assert phases == summary["phases_s"] and {"preflight", "ray_start", "data", "workers"} <= set(phases)
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= time["wall_s"] + 0.05
+    assert time["engine_phases_s"] == records[0]["engine_phases_s"]
+    assert sum(time["engine_phases_s"].values()) == pytest.approx(time["engine_s"], abs=1e-6)
+    assert time["checkpoint_s"] == records[-1]["checkpoint_s"] > 0
+    assert time["workers_other_s"] > 0 and time["workers_other_s"] == pytest.approx(
+        phases["workers"] - time["steps_s"] - time["engine_s"] - time["warmup_s"] - time["checkpoint_s"])
+    assert "  wall time   " in result.stdout and "final checkpoint " in result.stdout
+    assert "              driver: preflight " in result.stdout
+    assert "              engine: import " in result.stdout
     assert "train: 2 steps (finished)" in result.stdout
     assert f"train.json: {out / 'train.json'}" in result.stdout
 
@@ -285,6 +297,7 @@ def test_the_speed_stage_runs_its_bench_step_matrix_on_cpu(tmp_path: Path) -> No
     assert "--set model.hidden_size=896" in command and "--set scheduling.bucket_size=16384" in command
     speed = json.loads((tmp_path / "out" / "speed.json").read_text())
     assert speed["parts"]["step"]["exit"] == 0 and set(speed["parts"]) == {"step"}
+    assert speed["parts"]["step"]["limit_s"] == 240 and speed["budget_s"] == 360 and speed["complete"]
     step = speed["bench_step"]
     assert set(step["variants"]) == {"today", "device_step"}
     assert step["variants"]["device_step"]["optimizer"] == "fused AdamW, device step"
@@ -292,3 +305,19 @@ def test_the_speed_stage_runs_its_bench_step_matrix_on_cpu(tmp_path: Path) -> No
     assert step["speedup_vs_first"]["today"] == 1.0 and step["stopped_early"] is None
     losses = [step["variants"][name]["losses"] for name in ("today", "device_step")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)  # the same global batches, the same math
+
+
+def test_the_speed_stage_keeps_to_its_budget_and_says_what_it_skipped(tmp_path: Path) -> None:
+    """SKRULL_GPU_CHECK_SPEED_BUDGET_S bounds the whole stage: a part with under 20 s of it left is skipped
+    (its command never starts), speed.json says so, and the stage exits 1: not complete."""
+    env = _environ(OUT=str(tmp_path / "out"), PYTHON=sys.executable, SKRULL_GPU_CHECK_FAKE_CUDA="1",
+                   SKRULL_GPU_CHECK_SPEED_PARTS="profile,step", SKRULL_GPU_CHECK_SPEED_BUDGET_S="15")
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "speed"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "gpu_check speed: profile skipped: " in result.stdout and "== " not in result.stdout
+    speed = json.loads((tmp_path / "out" / "speed.json").read_text())
+    assert speed["budget_s"] == 15 and not speed["complete"]
+    statuses = {name: p["status"] for name, p in speed["parts"].items()}
+    assert statuses == {"profile": "skipped", "step": "skipped"}
+    assert "not complete: profile (skipped), step (skipped)" in result.stdout
