@@ -127,7 +127,8 @@ class ModelConfig:
     """The decoder's elementwise kernels and the loss (workers/kernels/): torch (transformers' own modules
     and the chunked linear cross-entropy of workers/loss.py) | liger (liger-kernel's fused RMSNorm, SwiGLU,
     RoPE and fused linear cross-entropy; CUDA only, the `gpu` extra installs it) | auto (liger when it
-    imports and the workers have GPUs, else torch)."""
+    imports and the workers have GPUs, else torch; under train.compile, liger's loss alone, the layers
+    left to the compiler: workers/kernels/liger_loss_set.py)."""
     hidden_size: int = field(default=0, metadata=MATH)
     """Hidden size h (0: the model's config.json; a tiny preset's default). A value set for a model whose
     config.json says otherwise is an error naming both (app/model/dims.py), as for every dimension below."""
