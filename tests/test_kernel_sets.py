@@ -104,18 +104,29 @@ def _loss_and_grads(model) -> tuple[float, list[torch.Tensor]]:
     return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
 
 
-def test_the_liger_set_routes_every_norm_mlp_rope_and_the_loss_through_liger(liger) -> None:
+LossAndGrads = tuple[float, list[torch.Tensor]]
+
+
+def _with_set(name: str) -> LossAndGrads:
+    """_loss_and_grads of SPEC's model with kernel set `name` applied and activated."""
     from workers.models import build_model
 
-    reference = build_model(**SPEC)
-    kernel_set("torch").apply(reference)
-    kernel_set("torch").activate(reference)
-    ref_loss, ref_grads = _loss_and_grads(reference)
-
     model = build_model(**SPEC)
-    kernel_set("liger").apply(model)
-    kernel_set("liger").activate(model)
-    loss, grads = _loss_and_grads(model)
+    kernel_set(name).apply(model)
+    kernel_set(name).activate(model)
+    return _loss_and_grads(model)
+
+
+def _same_loss_and_grads(ours: LossAndGrads, ref: LossAndGrads) -> None:
+    """Equal within fp32 rounding: the loss 1e-5 relative, each gradient 1e-5 of its largest entry."""
+    assert abs(ours[0] - ref[0]) <= 1e-5 * abs(ref[0])
+    for a, b in zip(ours[1], ref[1], strict=True):
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max() + 1e-8
+
+
+def test_the_liger_set_routes_every_norm_mlp_rope_and_the_loss_through_liger(liger) -> None:
+    reference = _with_set("torch")
+    ours = _with_set("liger")
 
     layers = 2
     assert len(liger["rms_norm"]) == 2 * layers + 1  # two per layer and the final norm
@@ -127,30 +138,17 @@ def test_the_liger_set_routes_every_norm_mlp_rope_and_the_loss_through_liger(lig
     assert flce["reduction"] == "sum" and flce["accum_dtype"] == torch.float32
     # chunk_mem_const sizes liger's chunk near train.loss_chunk_tokens (16 rows here): 96 / (32 k) chunks
     assert flce["mem_const"] == int(np.ceil(96 / (32 * np.ceil(label_rows / 16))))
-    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
-    for ours, ref in zip(grads, ref_grads, strict=True):
-        assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-8
+    _same_loss_and_grads(ours, reference)
 
 
 def test_the_liger_loss_set_routes_the_loss_alone_through_liger(liger) -> None:
     """liger_loss (`auto` under train.compile on CUDA): liger's fused linear cross-entropy, transformers'
     own norms, MLPs and RoPE (the compiler fuses those); the loss and gradients of the torch set."""
-    from workers.models import build_model
-
-    reference = build_model(**SPEC)
-    kernel_set("torch").apply(reference)
-    kernel_set("torch").activate(reference)
-    ref_loss, ref_grads = _loss_and_grads(reference)
-
-    model = build_model(**SPEC)
-    kernel_set("liger_loss").apply(model)
-    kernel_set("liger_loss").activate(model)
-    loss, grads = _loss_and_grads(model)
+    reference = _with_set("torch")
+    ours = _with_set("liger_loss")
     assert [len(liger[k]) for k in ("rms_norm", "swiglu", "rope", "flce")] == [0, 0, 0, 1]
     assert liger["flce"][0]["reduction"] == "sum" and liger["flce"][0]["accum_dtype"] == torch.float32
-    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
-    for ours, ref in zip(grads, ref_grads, strict=True):
-        assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-8
+    _same_loss_and_grads(ours, reference)
 
 
 def test_which_set_a_worker_runs(monkeypatch) -> None:

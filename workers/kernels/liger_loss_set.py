@@ -13,15 +13,14 @@ from __future__ import annotations
 import torch
 
 from workers.kernels.liger_set import liger_linear_ce
-from workers.kernels.rope import install_rope, original_rope
+from workers.kernels.torch_set import TorchKernels
 from workers.loss import LOSS_HEAD
 
 
-class LigerLossKernels:
+class LigerLossKernels(TorchKernels):
+    """The torch set (its RoPE activated), with liger's loss."""
+
     name = "liger_loss"
 
     def apply(self, model: torch.nn.Module) -> None:
         getattr(model, LOSS_HEAD).linear_ce = liger_linear_ce
-
-    def activate(self, model: torch.nn.Module) -> None:
-        install_rope(model, original_rope(model))
