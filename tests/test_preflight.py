@@ -62,6 +62,30 @@ def test_a_broken_hardware_profile_is_an_error(tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_gpu_profile_cannot_size_a_local_cpu_runs_bucket(tmp_path: Path, capsys, monkeypatch) -> None:
+    """scheduling.bucket_size=auto on CPU workers with hardware.profile=h100 (80 GB): exit 2 naming the
+    knobs before Ray starts, where C would have been sized for 80 GB on this host. The CPU profile (24 GB)
+    on a host of that size, a set C, or a cluster at RAY_ADDRESS: no error from this check."""
+    import app.train.preflight as preflight
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(preflight, "host_memory_bytes", lambda: int(24 * 2**30))
+    sets = ["--set", "scheduling.bucket_size=auto", "--set", f"run.storage_path={tmp_path}"]
+    started = time.monotonic()
+    assert main(["train", "--config", "configs/tiny-cpu.yaml", *sets, "--set", "hardware.profile=h100"]) == 2
+    err = capsys.readouterr().err
+    assert "hardware.profile=h100's 80.0 GB" in err and "this host has 25.8 GB" in err
+    assert "scheduling.bucket_size" in err and time.monotonic() - started < 30
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.iterdir())  # nothing written
+    for fine in (["hardware.profile=cpu"], ["hardware.profile=h100", "scheduling.bucket_size=1024"]):
+        config = load_config("configs/tiny-cpu.yaml", [f"run.storage_path={tmp_path}",
+                                                       "scheduling.bucket_size=auto", *fine])
+        preflight.check_local_cpu_memory(config)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # a cluster: its nodes' memory is not this host's
+    preflight.check_local_cpu_memory(load_config("configs/tiny-cpu.yaml", [
+        "scheduling.bucket_size=auto", "hardware.profile=h100"]))
+
+
 def test_set_errors_name_the_override_not_the_file(capsys) -> None:
     assert main(["plan", "--config", "configs/tiny-cpu.yaml", "--set", "model.dtype=fp16"]) == 2
     err = capsys.readouterr().err

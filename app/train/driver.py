@@ -146,8 +146,10 @@ def _with_bucket_size(config: SkrullConfig, out: TextIO | None) -> SkrullConfig:
     contradicts a ConfigError; where none can be read, the config's, said in a line)."""
     from app.model.dims import dims_note, resolved_model
     from app.profiling.budget import resolve_bucket_size
+    from app.train.preflight import check_local_cpu_memory
 
     resolved_model(config.model)
+    check_local_cpu_memory(config)  # before C is sized from a profile this host cannot hold
     note = dims_note(config.model)
     if note:
         print(note, file=out or sys.stderr, flush=True)

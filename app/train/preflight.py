@@ -87,6 +87,33 @@ def preflight(config: SkrullConfig) -> ResolvedData:
     return data
 
 
+def host_memory_bytes() -> int:
+    """This host's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_local_cpu_memory(config: SkrullConfig) -> None:
+    """scheduling.bucket_size=auto on CPU workers sizes C from hardware.profile's device memory, which the
+    workers of one node share (app/profiling/memory.py). In a local run (no RAY_ADDRESS: an embedded Ray,
+    every worker on this host) a profile with more memory than this host has (a GPU's, such as h100's 80
+    GB) would size micro-batches that cannot fit here, and the warm-up micro-batch of C tokens would be
+    killed for memory: one error naming the knobs instead, before Ray starts. 5% of slack: a profile of
+    this kind of machine states its memory in round numbers."""
+    if config.scheduling.bucket_size != "auto" or config.resources.gpus_per_worker > 0 \
+            or os.environ.get("RAY_ADDRESS"):
+        return
+    from app.profiling.hardware import load_hardware_profile
+
+    device_memory_bytes = load_hardware_profile(config.hardware.profile).device_memory_bytes
+    host = host_memory_bytes()
+    if device_memory_bytes > 1.05 * host:
+        raise ConfigError(
+            f"scheduling.bucket_size=auto sizes C from hardware.profile={config.hardware.profile}'s "
+            f"{device_memory_bytes / 1e9:.1f} GB of device memory, which this run's CPU workers share, but "
+            f"this host has {host / 1e9:.1f} GB: use a profile of this machine (hardware.profile=cpu, or "
+            "one `python -m app profile` measures here), or set scheduling.bucket_size")
+
+
 def check_no_credentials_in_uris(config: SkrullConfig) -> None:
     """A URI with credentials in it is refused (every message and file naming it would carry them): they
     go in the environment. run.storage_path is checked when the config loads (RunConfig)."""
