@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypedDict
@@ -24,6 +23,7 @@ from workers.device_step import install_device_step
 from workers.loss import LOSS_HEAD
 from workers.lr_schedule import LrSchedule, scheduler_factory
 from workers.models import ModelSpec
+from workers.phase_clock import PhaseClock
 
 
 class _AdamWRequired(TypedDict):
@@ -186,27 +186,6 @@ BUILD_PHASES = "skrull_build_phases"
 """Attribute of a built engine: {phase: wall seconds} of build_engine (PhaseClock), in the order they ran."""
 
 
-class PhaseClock:
-    """Wall seconds (time.perf_counter) of consecutive phases, each ended by `lap(name)`.
-
-    On CUDA every lap first waits for the device (torch.cuda.synchronize), so a phase's queued kernels and
-    copies count in it rather than in the next. Used by build_engine alone, never inside a training step.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        """End phase `name` now (a name given twice adds up)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
-        self._last = now
-
-
 def build_phases(engine: Any) -> dict[str, float]:
     """The build phases build_engine attached to `engine` ({} for an engine built otherwise)."""
     return dict(getattr(engine, BUILD_PHASES, {}))
@@ -240,7 +219,7 @@ def build_engine(spec: ModelSpec, ds_config: DeepSpeedConfig, device: torch.devi
     "kernels" (and "compile" with train.compile), then "deepspeed" (deepspeed.initialize: the engine, its
     ZeRO or BF16 optimizer with the fp32 master weights, the LR scheduler; then this project's optimizer
     hooks: bf16_accumulate, the device step)."""
-    clock = PhaseClock(device)
+    clock = PhaseClock(wait=(lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
     use_extensions_cache_per_environment()  # before DeepSpeed builds its ops
     deepspeed = import_deepspeed()
     world = dist.get_world_size() if dist.is_initialized() else 1

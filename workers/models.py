@@ -114,7 +114,7 @@ class ModelSpec:
         `zero3` config, its partitions made on `device`; else whole and moved), its kernel set applied and
         activated (model.kernels resolved for the device), its layers compiled with train.compile.
 
-        `lap(name)` (workers/engine.py PhaseClock.lap) is called at the end of each phase: "model" (built:
+        `lap(name)` (workers/phase_clock.py) is called at the end of each phase: "model" (built:
         random init or loaded; ZeRO-3: partitioned on `device`), "device" (moved to `device`; whole builds
         only), then prepare_on_device's."""
         lap = lap or _no_lap

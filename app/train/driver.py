@@ -41,6 +41,7 @@ from app.train.failures import one_line_failures, stop_reason
 from app.train.fit import fit_with_progress
 from app.train.preflight import check_model_source, preflight
 from app.train.signals import RunInterrupted, Terminated, sigterm_stops_like_ctrl_c
+from workers.phase_clock import PhaseClock
 from workers.storage import pull_mirror
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class TrainSummary:
     """This call's wall seconds, from its start to the summary: with the steps' step_s and the first step's
     engine_s and warmup_s, what a run spends outside its steps (Ray, data, start-up, the final save)."""
     phases_s: dict[str, float] = field(default_factory=dict)
-    """The driver's own split of wall_s (DriverPhases: time.monotonic, consecutive, in this order; their sum
+    """The driver's own split of wall_s (PhaseClock: time.monotonic, consecutive, in this order; their sum
     is wall_s up to the summary's making):
     preflight  the model's dimensions and bucket size resolved, the data resolved (preflight), the run's
                lock, resume check, config snapshot and console: everything before Ray
@@ -109,7 +110,7 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     from before its first write to the end: a second call on the same run stops with RunLocked.
     """
     started = time.monotonic()
-    clock = DriverPhases(started)
+    clock = PhaseClock(started)
     check_model_source(config.model)  # a hub id's config.json into the local cache: the dimensions' source
     config = _with_bucket_size(config, out)
     name = run_name(config)
@@ -122,21 +123,6 @@ def train(config: SkrullConfig, *, progress: bool = True, quiet: bool = False, w
     except KeyboardInterrupt as err:  # Ray (embedded: every process of it) is already shut down here
         stopped_by = signal.SIGTERM if isinstance(err, Terminated) else signal.SIGINT
         raise RunInterrupted(name, run_location_of(config, name), stopped_by) from err
-
-
-class DriverPhases:
-    """Wall seconds (time.monotonic) of a `train` call's consecutive phases (TrainSummary.phases_s), each
-    ended by `lap(name)`."""
-
-    def __init__(self, started: float) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = started
-
-    def lap(self, name: str) -> None:
-        """End phase `name` now (a name given twice adds up)."""
-        now = time.monotonic()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
-        self._last = now
 
 
 def _with_bucket_size(config: SkrullConfig, out: TextIO | None) -> SkrullConfig:
@@ -162,7 +148,7 @@ def _with_bucket_size(config: SkrullConfig, out: TextIO | None) -> SkrullConfig:
 
 
 def _train_locked(config: SkrullConfig, name: str, *, progress: bool, quiet: bool, worker_logs: bool,
-                  out: TextIO | None, clock: DriverPhases) -> TrainSummary:
+                  out: TextIO | None, clock: PhaseClock) -> TrainSummary:
     """preflight, the run's lock, the resume check and snapshot, then the run under its console."""
     data = preflight(config)
     run = run_storage(config, name)
@@ -184,7 +170,7 @@ def _train_locked(config: SkrullConfig, name: str, *, progress: bool, quiet: boo
 
 
 def _run(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, progress: bool,
-         worker_logs: bool, out: TextIO, clock: DriverPhases) -> TrainSummary:
+         worker_logs: bool, out: TextIO, clock: PhaseClock) -> TrainSummary:
     clock.lap("preflight")
     with ray_session(config, worker_logs=worker_logs) as embedded:
         clock.lap("ray_start")
@@ -215,7 +201,7 @@ def _run(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, 
 
 
 def _fit(config: SkrullConfig, data: ResolvedData, name: str, run_dir: Path, *, progress: bool, out: TextIO,
-         embedded: bool, clock: DriverPhases
+         embedded: bool, clock: PhaseClock
          ) -> tuple[list[dict[str, Any]], str | None, list[dict[str, Any]]]:
     """Tokenize, scan, start the planner and the workers (the phases data, planner, workers of `clock`).
 
