@@ -137,3 +137,20 @@ def test_a_bf16_gradient_adds_into_its_fp32_sum_in_one_kernel_on_cuda() -> None:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert "aten::_to_copy" not in ops and len(kernels) == 1, (ops, [k.name for k in kernels])
     assert torch.equal(lean, reference)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_the_profiles_device_memory_is_what_the_allocator_can_hold_on_cuda() -> None:
+    """`profile`'s device_memory_bytes (free + reserved): what this process allocates moves it by at most
+    a segment's rounding, and it sits below the device's total by what lives outside the allocator."""
+    from workers.tools.profile_memory import allocator_capacity_bytes
+
+    device = torch.device("cuda")
+    before = allocator_capacity_bytes(device)
+    block = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    during = allocator_capacity_bytes(device)
+    del block
+    total = torch.cuda.get_device_properties(device).total_memory
+    assert abs(during - before) <= 32 << 20, (before, during)
+    assert 0.8 * total < before < total, (before, total)

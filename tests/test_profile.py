@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from app.__main__ import main
-from app.commands.profile import compute_cases, fit_profile
+from app.commands.profile import _bucket_size, compute_cases, fit_profile, profile_yaml
 from app.config import load_config
 from app.profiling.activation import Checkpointing, kernel_set, model_shape, pass_memory
+from app.profiling.budget import resolve_bucket_size
 from app.profiling.hardware import cost_model, load_hardware_profile
 from app.profiling.steps import STEP_POLICIES, fitted_cost, planned_steps, scaled_fields
 from scheduling import simulate
@@ -26,6 +27,12 @@ TRUTH = {"mfu": 0.2, "micro_batch_launch_s": 0.004, "intra_node_latency_s": 1e-4
 TINY = ["scheduling.cost_formula=model", "model.vocab_size=773", SMALL_VOCAB]
 """A 773-word model with its 773-word tokenizer (`plan` refuses a tokenizer whose ids the model cannot
 embed)."""
+
+QWEN05_SHAPE = ["model.name_or_path=tiny-qwen2", "model.random_init=true", "model.hidden_size=896",
+                "model.num_layers=24", "model.num_attention_heads=14", "model.num_key_value_heads=2",
+                "model.intermediate_size=4864", "model.vocab_size=151936", "data.source=synthetic",
+                "scheduling.bucket_size=16384"]
+"""scripts/gpu_check.sh's profile of Qwen2.5-0.5B's shape (random weights, synthetic data)."""
 
 
 def _raw(config) -> dict:
@@ -72,6 +79,30 @@ def test_the_fits_recover_the_machine_that_made_the_measurements() -> None:
     # the checkpointed rows' slope is off the model's by the runtime bytes spread over 512 tokens
     assert residuals.pop("memory_checkpointed") > 0
     assert max(residuals.values()) < 1e-6
+
+
+def test_a_measured_device_memory_replaces_the_base_profiles_and_sizes_the_bucket() -> None:
+    """On CUDA the workers report what the device's allocator can hold (an H200: 150 GB against the h100
+    base profile's 80 GB): the profile carries it, marked measured, and `auto` sizes C from it; on CPU
+    (no report) the base profile's value stays, unmarked."""
+    # resolved as `profile` resolves it
+    config, _ = resolve_bucket_size(load_config("configs/qwen2.5-0.5b-gpu.yaml", QWEN05_SHAPE))
+    cpu_raw = _raw(config)
+    base_fields, residuals = fit_profile(config, cpu_raw)
+    assert "device_memory_bytes" not in base_fields
+    gpu_raw = {**cpu_raw, "device_memory_bytes": 150.0e9}
+    fields, _ = fit_profile(config, gpu_raw)
+    assert fields["device_memory_bytes"] == 150.0e9
+    assert {k: v for k, v in fields.items() if k != "device_memory_bytes"} == base_fields
+    text = profile_yaml(config, gpu_raw, fields, residuals, "h200", "python -m app profile")
+    assert "device_memory_bytes: 1.5e+11  # measured" in text.splitlines()
+    base_text = profile_yaml(config, cpu_raw, base_fields, residuals, "h100", "python -m app profile")
+    assert "device_memory_bytes: 8e+10" in base_text.splitlines()
+    # C = (M - safety - static - runtime - fixed) / per-token bytes: 70 GB more of M, 90% of it usable
+    base_c, c = _bucket_size(config, base_fields), _bucket_size(config, fields)
+    assert c > base_c > 0
+    per_token = 0.9 * 70e9 / (c - base_c)
+    assert 0.2e6 < per_token < 2e6  # the 0.5B's activation bytes per token (docs/memory.md: ~1 MB)
 
 
 def test_whole_steps_slower_than_their_parts_scale_every_time_term() -> None:
@@ -159,6 +190,7 @@ def test_profile_measures_this_machine_and_writes_a_loadable_profile(tmp_path: P
     assert set(result["residuals"]) == {"compute", "ring", "memory", "memory_checkpointed", "step"}
     raw = result["raw"]
     assert result["profile"]["runtime_memory_bytes"] >= 0 and len(raw["memory_checkpointed"]) == 4
+    assert "device_memory_bytes" not in raw  # CPU workers share the host: the base profile's value stays
     assert len(raw["steps"]) == len(STEP_POLICIES) and min(raw["steps"]) > 0
     assert raw["step_fit"]["scale"] > 0 and raw["sequence_fit"]["micro_batches"] > 0
     sizes = [row["bytes"] for row in raw["ring"]]

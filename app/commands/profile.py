@@ -20,7 +20,9 @@ fits every term of the cost model (scheduling/cost.py) to what was measured:
                 layer, and on CUDA every layer offloaded) against the shape-derived model of the same pass
                 (app/profiling/activation/) -> runtime_memory_bytes, the most a measured peak exceeds the
                 model (0 if none does); the residual is each setting's measured bytes per token against
-                the modeled; and the BucketSize C that the measured profile leaves
+                the modeled; on CUDA device_memory_bytes, the memory the run's tensors can have (free +
+                what the caching allocator holds, the least over ranks: the device's total less the CUDA
+                context, NCCL and other processes); and the BucketSize C that the measured profile leaves
                 (scheduling.bucket_size: auto derives it the same way)
     steps       --steps global batches of the run's lengths, planned by skrull, static_cp_packed and
                 static_cp, trained as whole steps (each timed in 3 rounds, the median kept) -> k =
@@ -30,8 +32,9 @@ fits every term of the cost model (scheduling/cost.py) to what was measured:
                 scheduling/refit.py, over the scaled profile) -> ring_sequence_step_s
 
 Every fit's largest relative residual is printed; over 15% is a warning naming the term. Fields not
-measured here (peak_flops, inter-node links, gpus_per_node, device memory) keep the configured profile's
-values. One node only: the inter-node bandwidth of a multi-node cluster is not measured.
+measured here (peak_flops, inter-node links, gpus_per_node, and on CPU the device memory, which the workers
+share with Ray's object store and the OS) keep the configured profile's values. One node only: the
+inter-node bandwidth of a multi-node cluster is not measured.
 """
 
 from __future__ import annotations
@@ -201,6 +204,8 @@ def fit_profile(config: Any, raw: dict, steps: list[Any] = ()) -> tuple[dict[str
     optimizer = raw["optimizer"]
     fields["optimizer_s_per_param"] = optimizer["seconds_median"] * world / optimizer["params"]
     fields.update(_memory_fields(raw, config, residuals))
+    if "device_memory_bytes" in raw:
+        fields["device_memory_bytes"] = float(raw["device_memory_bytes"])
     if steps and raw.get("steps"):
         from app.profiling.steps import fit_steps, fitted_cost, scaled_fields
 

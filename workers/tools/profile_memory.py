@@ -18,6 +18,10 @@ the heap is trimmed (glibc malloc_trim, where available): what the pass needs th
 growth. A sampled peak can miss a spike shorter than the sampling period; activations live through the
 whole forward and into the backward, so their peak is not such a spike.
 
+`allocator_capacity_bytes(device)` is the device memory the run's tensors can have on CUDA: the free memory
+plus what the caching allocator holds, i.e. the device's total less what lives outside the allocator (the
+CUDA context, NCCL's buffers, other processes), read when those exist (at the end of `profile`).
+
 `activation_bytes_per_token(rows)` fits peak_bytes = slope * tokens + intercept (scheduling.calibrate):
 the slope is the activation bytes per token of this model, the intercept the fixed part.
 """
@@ -142,6 +146,13 @@ def measure_activation_memory(model: torch.nn.Module, cases: Sequence[Sequence[i
         rows.append({"tokens": int(sum(lengths)), "lengths": list(lengths), "peak_bytes": peak})
     model.zero_grad(set_to_none=True)
     return rows
+
+
+def allocator_capacity_bytes(device: torch.device) -> int:
+    """On CUDA: free + reserved bytes of `device` (module docstring), the M of the memory model."""
+    torch.cuda.synchronize(device)
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device))
 
 
 def activation_bytes_per_token(rows: Sequence[dict]) -> LinearFit:

@@ -23,7 +23,9 @@ and, all ranks at once as in training (on a CPU host they share its cores, as tr
                 layer recomputed ("memory"), every layer recomputed ("memory_checkpointed") and, on CUDA,
                 recomputed with the saved inputs in host memory ("memory_offloaded"): one model, built
                 as a worker builds it (its kernel set, its layers compiled under train.compile), its
-                transformers checkpointing switched between the passes
+                transformers checkpointing switched between the passes; on CUDA also the device memory the
+                run's tensors can have (free + what the caching allocator holds: the total less the CUDA
+                context, NCCL and other processes), the least over ranks, read after everything else ran
     steps       whole training steps (`run_step`: every micro-batch of a planned payload, then the
                 optimizer step) of the payloads app/profiling/steps.py planned, after one untimed step;
                 per step the median over rounds of the slowest rank's time
@@ -52,7 +54,7 @@ from workers.models import ModelSpec, enable_checkpointing
 from workers.step import run_step, synchronize
 from workers.tools.profile_comm import measure_grad_reduce, measure_overlap, measure_ring
 from workers.tools.profile_compute import label_tokens, time_micro_batch
-from workers.tools.profile_memory import measure_activation_memory
+from workers.tools.profile_memory import allocator_capacity_bytes, measure_activation_memory
 
 WHOLE_STEP_ROUNDS = 3
 """Timings of every planned whole step (the median is kept). One timing each left the step scale to a
@@ -95,6 +97,13 @@ def _slowest(seconds: float, device: torch.device) -> float:
     value = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return float(value.item())
+
+
+def _least(value: float, device: torch.device) -> float:
+    """The min over all ranks: what every rank can count on."""
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return float(tensor.item())
 
 
 def _compute_rows(engine: Any, s: ProfileSettings, groups: ParallelGroups,
@@ -243,6 +252,8 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
     result.update(_memory_rows(model, s, groups, device))
     said("memory cases")
     del model
+    if device.type == "cuda":
+        result["device_memory_bytes"] = _least(allocator_capacity_bytes(device), device)
     return result
 
 
