@@ -44,7 +44,10 @@ def _raw(config) -> dict:
     reduce_s = 2 * (world - 1) / world * reduce_bytes / TRUTH["grad_reduce_bandwidth"]
     # the shape-derived model of each pass (app/profiling/activation/) plus the runtime bytes it misses
     shape, chunk = model_shape(config), config.train.loss_chunk_tokens
-    nothing, every = (pass_memory(shape, kernel_set("torch"), Checkpointing(n), chunk) for n in (0, 1))
+
+    def modeled(every: int, tokens: int) -> float:  # a pass under one loss chunk holds its rows only
+        return pass_memory(shape, kernel_set("torch"), Checkpointing(every), min(chunk, tokens)).peak(tokens)
+
     compute = []
     for lengths, fraction in compute_cases(512):
         labels = [max(1, round(n * fraction)) - 1 for n in lengths]
@@ -60,12 +63,12 @@ def _raw(config) -> dict:
         "ring": ring, "overlap": {"overlap": TRUTH["ring_overlap"]},
         "reduce": {"params": params, "bytes": reduce_bytes, "seconds_median": reduce_s},
         "optimizer": {"params": params, "seconds_median": TRUTH["optimizer_s_per_param"] * params / world},
-        "memory": [{"tokens": t, "peak_bytes": nothing.peak(t) + TRUTH["runtime_memory_bytes"]}
+        "memory": [{"tokens": t, "peak_bytes": modeled(0, t) + TRUTH["runtime_memory_bytes"]}
                    for t in (64, 128, 256, 512)],
         # every layer recomputed: each keeps its input, one layer's activations live at a time; the
         # largest case exceeds its model the most
         "memory_checkpointed": [{"tokens": t,
-                                 "peak_bytes": every.peak(t) + TRUTH["runtime_memory_bytes"] * t / 512}
+                                 "peak_bytes": modeled(1, t) + TRUTH["runtime_memory_bytes"] * t / 512}
                                 for t in (64, 128, 256, 512)],
     }
 

@@ -249,17 +249,20 @@ def _memory_fields(raw: dict, config: Any, residuals: dict[str, float]) -> dict[
     from app.profiling.memory import kernel_set_of
     from scheduling.calibrate import fit_linear
 
-    shape, excess = model_shape(config), 0.0
+    shape, kernels, excess = model_shape(config), kernel_set(kernel_set_of(config)), 0.0
+    chunk = config.train.loss_chunk_tokens
     for key, (every, offload) in MEMORY_SETTINGS.items():
         if key not in raw:
             continue
-        modeled = pass_memory(shape, kernel_set(kernel_set_of(config)), Checkpointing(every, offload),
-                              config.train.loss_chunk_tokens)
-        rows = raw[key]
-        excess = max([excess, *(r["peak_bytes"] - modeled.peak(r["tokens"]) for r in rows)])
-        slope = fit_linear([r["tokens"] for r in rows], [max(r["peak_bytes"], 1) for r in rows]).slope
-        per_token = modeled.phase_at(max(r["tokens"] for r in rows)).per_token
-        residuals[key] = abs(slope - per_token) / per_token
+        rows, setting = raw[key], Checkpointing(every, offload)
+        tokens = [r["tokens"] for r in rows]
+        # A pass shorter than one loss chunk holds that many rows of the chunked loss's temporaries, not
+        # a whole chunk's (which the model charges as fixed bytes: C is always longer).
+        modeled = [pass_memory(shape, kernels, setting, min(chunk, n)).peak(n) for n in tokens]
+        excess = max([excess, *(r["peak_bytes"] - m for r, m in zip(rows, modeled, strict=True))])
+        slope = fit_linear(tokens, [max(r["peak_bytes"], 1) for r in rows]).slope
+        modeled_slope = fit_linear(tokens, modeled).slope
+        residuals[key] = abs(slope - modeled_slope) / modeled_slope
     return {"runtime_memory_bytes": excess}
 
 
