@@ -28,8 +28,9 @@
 #            speed_step.json; `train` with the config's
 #            defaults (bucket_size and checkpointing auto) -> train_auto.json. All of it in speed.json, with
 #            `complete` (every part ran and passed, the matrix was not cut); exit 1 unless complete. The
-#            parts to run: SKRULL_GPU_CHECK_SPEED_PARTS (default profile,cuda_tests,peer,step,train; add
-#            train_as_written for the train stage at C = 16384 -> train.json). Not part of `all`.
+#            parts to run, in the order given: SKRULL_GPU_CHECK_SPEED_PARTS (default
+#            profile,cuda_tests,peer,step,train; also train_as_written: the train stage at C = 16384 ->
+#            train.json; an unknown name exits 2 before any part runs). Not part of `all`.
 #   all      every stage in that order, stopping at the first that fails; install is skipped when torch,
 #            ray and deepspeed already import in the stages' python
 # Without CUDA it fails at once, saying so.
@@ -314,6 +315,8 @@ stage_bench() {
 # speed: the GPU-speed matrix (the header says what): each part in a process of its own under its own time
 # limit, its JSON written as it ends. SKRULL_GPU_CHECK_SPEED_{PARTS,VARIANTS,SET,STEPS} are for the CPU test.
 SPEED_STEPS=${SKRULL_GPU_CHECK_SPEED_STEPS:-3}
+SPEED_PART_NAMES=(profile cuda_tests peer step train train_as_written)
+# The parts to run, in this order: what is still unmeasured on a GPU first (docs/benchmarks.md "GPU speed").
 SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-profile,cuda_tests,peer,step,train}
 TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false"
 TODAY="$TODAY,train.activation_checkpointing=true,train.one_rank_zero1=false"  # the path before the knobs
@@ -373,7 +376,6 @@ SPEED_MIN_PART_S=20
 part() {  # part NAME CAP_S STAGE [ENV=VALUE ...]: one part as `gpu_check.sh STAGE`, time-boxed
   local name=$1 cap=$2 target=$3 started rc limit
   shift 3
-  [[ ",$SPEED_PARTS," == *",$name,"* ]] || return 0
   limit=$(( SPEED_DEADLINE - $(date +%s) ))
   [ "$limit" -gt "$cap" ] && limit=$cap
   if [ "$limit" -lt "$SPEED_MIN_PART_S" ]; then
@@ -391,24 +393,34 @@ part() {  # part NAME CAP_S STAGE [ENV=VALUE ...]: one part as `gpu_check.sh STA
   echo "gpu_check speed: $name exit $rc after $(( $(date +%s) - started )) s (limit $limit s)"
   speed_summary >/dev/null
 }
+speed_part() {  # speed_part NAME: one of the speed stage's parts, with the most it may take when time is
+  # left (an H200, 2026-11-28: train 121 s; profile over 115 s)
+  case $1 in
+    profile) part profile 180 profile ;;
+    cuda_tests) part cuda_tests 60 speed_tests ;;
+    peer) part peer 150 speed_peer ;;
+    step) part step 240 speed_step ;;
+    # `train` with the config's defaults (C and checkpointing from memory, on this GPU's profile when
+    # `profile` wrote one): the train stage's rows, cut at its 16384 tokens, so that the one GPU need not
+    # hold the config's 131072-token maximum.
+    train) part train 150 train TRAIN_NAME=train_auto SKRULL_GPU_CHECK_TRAIN_SET="${SKRULL_GPU_CHECK_TRAIN_SET:-} \
+scheduling.bucket_size=auto data.max_length=16384" ;;
+    train_as_written) part train_as_written 150 train TRAIN_NAME=train ;;  # the train stage (C = 16384)
+  esac
+}
 stage_speed() {
   need_cuda
+  local name names
+  IFS=, read -r -a names <<< "$SPEED_PARTS"
+  for name in "${names[@]}"; do
+    [[ " ${SPEED_PART_NAMES[*]} " == *" $name "* ]] && continue
+    echo "SKRULL_GPU_CHECK_SPEED_PARTS: unknown part '$name' (the parts: ${SPEED_PART_NAMES[*]})" >&2
+    exit 2
+  done
   rm -f "$OUT/speed_parts.txt"
   touch "$OUT/speed_parts.txt"
   SPEED_DEADLINE=$(( $(date +%s) + SPEED_BUDGET_S ))
-  # In the order of what is still unmeasured on a GPU (docs/benchmarks.md "GPU speed"); the caps are the
-  # most each may take when time is left (an H200, 2026-11-28: train 121 s; profile over 115 s).
-  part profile 150 profile
-  part cuda_tests 60 speed_tests
-  part peer 150 speed_peer
-  part step 240 speed_step
-  # `train` with the config's defaults (C and checkpointing from memory, on this GPU's profile when
-  # `profile` wrote one): the train stage's rows, cut at its 16384 tokens, so that the one GPU need not
-  # hold the config's 131072-token maximum.
-  part train 150 train TRAIN_NAME=train_auto \
-    SKRULL_GPU_CHECK_TRAIN_SET="${SKRULL_GPU_CHECK_TRAIN_SET:-} scheduling.bucket_size=auto data.max_length=16384"
-  # The train stage as written (C = 16384), only when named in the parts.
-  part train_as_written 150 train TRAIN_NAME=train
+  for name in "${names[@]}"; do speed_part "$name"; done
   speed_summary
 }
 speed_summary() {  # speed.json from what the parts wrote so far (rewritten after every part); exit 1 unless

@@ -321,3 +321,21 @@ def test_the_speed_stage_keeps_to_its_budget_and_says_what_it_skipped(tmp_path: 
     statuses = {name: p["status"] for name, p in speed["parts"].items()}
     assert statuses == {"profile": "skipped", "step": "skipped"}
     assert "not complete: profile (skipped), step (skipped)" in result.stdout
+
+
+def test_the_speed_stage_runs_its_parts_in_the_order_given_and_refuses_an_unknown_one(tmp_path: Path) -> None:
+    """SKRULL_GPU_CHECK_SPEED_PARTS is also the order (a short budget skips each part, in that order, without
+    starting its command); a name that is no part exits 2 naming the knob before any part is tried."""
+    env = _environ(OUT=str(tmp_path / "out"), PYTHON=sys.executable, SKRULL_GPU_CHECK_FAKE_CUDA="1",
+                   SKRULL_GPU_CHECK_SPEED_PARTS="train,step,profile", SKRULL_GPU_CHECK_SPEED_BUDGET_S="15")
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "speed"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    parts = (tmp_path / "out" / "speed_parts.txt").read_text().split()[::4]
+    assert parts == ["train", "step", "profile"]
+    env.update(OUT=str(tmp_path / "out2"), SKRULL_GPU_CHECK_SPEED_PARTS="profile,matrix")
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", "speed"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "SKRULL_GPU_CHECK_SPEED_PARTS: unknown part 'matrix'" in result.stderr
+    assert not (tmp_path / "out2" / "speed_parts.txt").exists()
