@@ -81,6 +81,9 @@ def test_bench_step_json_on_the_tiny_config(tmp_path: Path) -> None:
         assert all(v >= 0 for v in phases.values()) and phases["model"] > 0 and phases["deepspeed"] > 0
     today, fused = result["variants"]["today"], result["variants"]["fused"]
     assert today["bucket_size"] == 1024 and fused["bucket_size"] == 256
+    # the model's peak is taken at the largest micro-batch each ran (the measured peak is the steps')
+    assert 0 < fused["peak_tokens"] <= 256 < today["peak_tokens"] <= 1024
+    assert fused["predicted_peak_bytes"] < today["predicted_peak_bytes"]
     assert fused["micro_batches"] > today["micro_batches"]  # a smaller C: more micro-batches, same rows
     # The same global batches from the same weights: micro-batching and the optimizer's implementation change
     # the order of sums, not the math (fp32).

@@ -26,7 +26,7 @@ from scheduling import DacpPlan, StepPlan
 from scheduling.payload import Cursor, Sample, build_rank_payloads, spare_payload
 from tests.conftest import TINY_RUN_STEPS as STEPS
 from workers.batch import build_rank_batch
-from workers.metrics import computed_tokens
+from workers.metrics import computed_tokens, micro_batch_tokens
 from workers.step import idle_batch
 
 # --------------------------------------------------------------------------------------- padding (unit)
@@ -56,6 +56,7 @@ def test_computed_tokens_count_dacp_pads_and_idle_micro_batches_exactly() -> Non
                                    plan_ms=0.0)
     counts = [computed_tokens(payloads[0, r]) for r in range(2)]
     assert counts == [13, 5]
+    assert [micro_batch_tokens(payloads[0, r]) for r in range(2)] == [[7, 6], [4, 1]]
     assert counts == [_streamed_tokens(payloads[0, r], 2) for r in range(2)]
     assert 1 - payloads[0, 0].global_tokens / sum(counts) == pytest.approx(4 / 18, abs=1e-12)
     # A spare rank runs one idle token per micro-batch.

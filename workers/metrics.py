@@ -154,7 +154,12 @@ def computed_tokens(payload: RankPayload, *, spare: bool = False) -> int:
     """
     if spare:
         return len(payload.micro_batches)
-    total = 0
+    return sum(micro_batch_tokens(payload))
+
+
+def micro_batch_tokens(payload: RankPayload) -> list[int]:
+    """Per micro-batch of `payload`, the tokens this rank's stream holds (computed_tokens' count)."""
+    counts = []
     for micro_batch in payload.micro_batches:
         plan, cp_rank = micro_batch.plan, payload.cp_rank
         cp_size = len(plan.local)
@@ -162,8 +167,8 @@ def computed_tokens(payload: RankPayload, *, spare: bool = False) -> int:
         local = span.num_tokens if span else sum(len(micro_batch.input_ids[i]) for i in plan.local[cp_rank])
         shards = sum(padded_length(len(micro_batch.input_ids[i]), cp_size) // cp_size
                      for i in plan.distributed)
-        total += max(local + shards, 1)
-    return total
+        counts.append(max(local + shards, 1))
+    return counts
 
 
 def _step_metrics(record: StepRecord, loss_sum: float, per_rank: torch.Tensor,

@@ -7,8 +7,9 @@
                     -> RankPayloads, exactly as the planner actor builds them
     workers/tools/step_bench.py runs them (the workers' engine and step, no Ray), interleaved step by step
     -> per variant: tokens/s, MFU, micro-batch / optimizer / gap seconds per step, peak memory beside the
-       memory model's prediction, the loss of every step; `speedup_vs_first`: the median over the counted
-       steps of the first variant's step time over this one's (the same global batch in the same round).
+       memory model's prediction for the largest micro-batch it ran (`peak_tokens`), the loss of every
+       step; `speedup_vs_first`: the median over the counted steps of the first variant's step time over
+       this one's (the same global batch in the same round).
 
 Variants that change the length limit (bucket_size) tokenize the data at their own limit; the rows stay the
 same rows. The first `warmup` steps are run and reported (`warmup_steps`) but not counted. With
@@ -116,12 +117,21 @@ def step_payloads(config: SkrullConfig, steps: int) -> tuple[Any, ...]:
     return tuple(payloads)
 
 
-def predicted_peak_bytes(config: SkrullConfig) -> float:
-    """The memory model's peak for one rank at the config's C and checkpointing setting, with the kernel set
-    the variant's workers run (app/profiling/memory.py `peak_bytes`)."""
+def predicted_peak_bytes(config: SkrullConfig, tokens: int | None = None) -> float:
+    """The memory model's peak for one rank at the config's checkpointing setting, with the kernel set the
+    variant's workers run (app/profiling/memory.py), for a micro-batch of `tokens` tokens (None: C)."""
     from app.profiling.memory import memory_terms
 
-    return memory_terms(config).peak_bytes
+    terms = memory_terms(config)
+    return terms.peak_bytes if tokens is None else terms.peak_at(tokens)
+
+
+def largest_micro_batch(payloads: tuple[Any, ...]) -> int:
+    """The most tokens one micro-batch of `payloads` holds: what a step's measured peak is compared at
+    (each step's peak is its own; a C that the batches never fill would overstate the model's)."""
+    from workers.metrics import micro_batch_tokens
+
+    return max((max(micro_batch_tokens(p), default=0) for p in payloads), default=0)
 
 
 def step_variant(name: str, config: SkrullConfig, payloads: tuple[Any, ...], on_gpu: bool) -> Any:
@@ -156,6 +166,7 @@ def summarize(name: str, config: SkrullConfig, result: dict[str, Any], payloads:
                 "bucket_size": config.scheduling.bucket_size,
                 "predicted_peak_bytes": predicted_peak_bytes(config)}
     counted = payloads[warmup:warmup + len(readings)]
+    largest = largest_micro_batch(payloads[:len(result["readings"])])
     seconds = sum(r.step_s for r in readings)
     tokens = sum(p.global_tokens for p in counted)
     at_peak = sum(p.flops_at_peak_s for p in counted)
@@ -166,7 +177,8 @@ def summarize(name: str, config: SkrullConfig, result: dict[str, Any], payloads:
         "step_s": mean(r.step_s for r in readings), "micro_batch_s": mean(r.micro_batch_s for r in readings),
         "optimizer_s": mean(r.optimizer_s for r in readings), "gap_s": mean(r.gap_s for r in readings),
         "micro_batches": mean(r.micro_batches for r in readings), "counted_steps": len(readings),
-        "peak_bytes": max(peaks) if peaks else None, "predicted_peak_bytes": predicted_peak_bytes(config),
+        "peak_bytes": max(peaks) if peaks else None,
+        "predicted_peak_bytes": predicted_peak_bytes(config, largest), "peak_tokens": largest,
         "bucket_size": config.scheduling.bucket_size, "kernels": result["kernels"],
         "optimizer": result["optimizer"], "zero_stage": result["zero_stage"], "compile": config.train.compile,
         "activation_checkpointing": config.train.activation_checkpointing,

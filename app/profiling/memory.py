@@ -120,7 +120,11 @@ class MemoryTerms:
     @property
     def peak_bytes(self) -> float:
         """The predicted peak at the run's C (safety excluded: it is what stays free)."""
-        return self.static + self.runtime + self.activations.peak(self.at_tokens)
+        return self.peak_at(self.at_tokens)
+
+    def peak_at(self, tokens: int) -> float:
+        """The predicted peak of a micro-batch of `tokens` tokens."""
+        return self.static + self.runtime + self.activations.peak(tokens)
 
     @property
     def headroom(self) -> float:
