@@ -18,19 +18,19 @@
 #            GPUs (DP 1 x CP = GPUs, at most 8) -> $OUT/gpu.yaml, a hardware profile of this machine
 #   bench    `python -m app bench train` of the same run, with $OUT/gpu.yaml (else configs/hardware/h100.yaml)
 #   speed    the GPU-speed checks in one budget of SKRULL_GPU_CHECK_SPEED_BUDGET_S seconds (default 360: the
-#            6 minutes docs/benchmarks.md "GPU speed" asks for), in the order of what is still unmeasured on
-#            a GPU, each part under the smaller of its cap and the time left (a part with under 20 s left
-#            is skipped, and says so): `profile` -> gpu.yaml; the CUDA tests of the knobs
-#            (tests/test_kernels_cuda.py); `bench peer --device cuda` (TRL in bf16) -> speed_peer.json;
+#            6 minutes docs/benchmarks.md "GPU speed" asks for), each part under the smaller of its cap and
+#            the time left (a part with under 20 s left is skipped, and says so): `profile` -> gpu.yaml;
 #            `bench step` of Qwen2.5-0.5B's shape at C = 16384 over the knobs (today's path, checkpointing
 #            every layer; all on without checkpointing, with liger or compiled (liger's loss alone); the
 #            device step on ZeRO-1 (one GPU's default) and on ZeRO-2; liger kernels; torch.compile) ->
-#            speed_step.json; `train` with the config's
-#            defaults (bucket_size and checkpointing auto) -> train_auto.json. All of it in speed.json, with
-#            `complete` (every part ran and passed, the matrix was not cut); exit 1 unless complete. The
-#            parts to run, in the order given: SKRULL_GPU_CHECK_SPEED_PARTS (default
-#            profile,cuda_tests,peer,step,train; also train_as_written: the train stage at C = 16384 ->
-#            train.json; an unknown name exits 2 before any part runs). Not part of `all`.
+#            speed_step.json; `train` with the config's defaults (bucket_size and checkpointing auto, on
+#            gpu.yaml when profile wrote one) -> train_auto.json; the CUDA tests of the knobs and the
+#            memory model (tests/test_kernels_cuda.py); `bench peer --device cuda` (TRL in bf16) ->
+#            speed_peer.json. All of it in speed.json, with `complete` (every part ran and passed, the matrix
+#            was not cut); exit 1 unless complete. The parts to run, in the order given:
+#            SKRULL_GPU_CHECK_SPEED_PARTS (default profile,step,train,cuda_tests,peer; also
+#            train_as_written: the train stage at C = 16384 -> train.json; an unknown name exits 2 before
+#            any part runs). Not part of `all`.
 #   all      every stage in that order, stopping at the first that fails; install is skipped when torch,
 #            ray and deepspeed already import in the stages' python
 # Without CUDA it fails at once, saying so.
@@ -316,8 +316,9 @@ stage_bench() {
 # limit, its JSON written as it ends. SKRULL_GPU_CHECK_SPEED_{PARTS,VARIANTS,SET,STEPS} are for the CPU test.
 SPEED_STEPS=${SKRULL_GPU_CHECK_SPEED_STEPS:-3}
 SPEED_PART_NAMES=(profile cuda_tests peer step train train_as_written)
-# The parts to run, in this order: what is still unmeasured on a GPU first (docs/benchmarks.md "GPU speed").
-SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-profile,cuda_tests,peer,step,train}
+# The parts to run, in this order: the profile first (train sizes C from it), then what the GPU configs'
+# defaults are chosen from (the matrix, the defaults' own run), then the checks (docs/benchmarks.md "GPU speed").
+SPEED_PARTS=${SKRULL_GPU_CHECK_SPEED_PARTS:-profile,step,train,cuda_tests,peer}
 TODAY="train.optimizer_impl=foreach,train.overlap_comm=on,model.kernels=torch,train.compile=false"
 TODAY="$TODAY,train.activation_checkpointing=true,train.one_rank_zero1=false"  # the path before the knobs
 STEP_ON="train.optimizer_impl=fused,train.overlap_comm=auto"
