@@ -94,15 +94,13 @@ class ProfileSettings:
 
 def _slowest(seconds: float, device: torch.device) -> float:
     """The max over all ranks: a step waits for its slowest rank."""
-    value = torch.tensor([seconds], dtype=torch.float64, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return float(value.item())
+    return _over_ranks(seconds, device, dist.ReduceOp.MAX)
 
 
-def _least(value: float, device: torch.device) -> float:
-    """The min over all ranks: what every rank can count on."""
+def _over_ranks(value: float, device: torch.device, op: dist.ReduceOp) -> float:
+    """`value` reduced by `op` over all ranks (collective)."""
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    dist.all_reduce(tensor, op=op)
     return float(tensor.item())
 
 
@@ -253,7 +251,8 @@ def profile_rank(rank: int, world_size: int, s: ProfileSettings) -> dict:
     said("memory cases")
     del model
     if device.type == "cuda":
-        result["device_memory_bytes"] = _least(allocator_capacity_bytes(device), device)
+        capacity = allocator_capacity_bytes(device)  # the least over ranks: what every rank can count on
+        result["device_memory_bytes"] = _over_ranks(capacity, device, dist.ReduceOp.MIN)
     return result
 
 
