@@ -86,26 +86,12 @@ def test_what_the_forward_keeps_and_the_peak_match_torchs_accounting(tmp_path: P
 
 
 def _saved_bytes(model, tokens: int) -> int:
-    """Bytes of the distinct storages (not the parameters') autograd's saved-tensor hooks receive in the
-    forward of a micro-batch through the chunked loss: what a compiled graph saves, which it allocates
-    outside the dispatcher the tensor ledger watches. The backward runs too (the graphs free their saves)."""
-    import torch
-
+    """What the forward of a micro-batch through the chunked loss saves (tests/saved_tensors.py)."""
+    from tests.saved_tensors import saved_bytes
     from workers.forward import micro_batch_loss_sum
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        loss = micro_batch_loss_sum(model, _batch(tokens), loss_chunk_tokens=LOSS_CHUNK)
-    loss.backward()
-    return sum(seen.values())
+    batch = _batch(tokens)
+    return saved_bytes(model, lambda: micro_batch_loss_sum(model, batch, loss_chunk_tokens=LOSS_CHUNK))
 
 
 COMPILED_CASES = [("qwen2", "off", "inductor"), ("qwen2", "every 2nd layer", "aot_eager_decomp_partition"),

@@ -157,32 +157,19 @@ def test_the_profiles_device_memory_is_what_the_allocator_can_hold_on_cuda() -> 
 
 
 def _kept_per_token(model: torch.nn.Module, device: torch.device, sizes: tuple[int, int]) -> float:
-    """Bytes per token of the distinct non-parameter storages autograd's saved-tensor hooks receive in a
-    micro-batch's forward and loss (liger's Functions save through them too): the slope between two
-    micro-batches of `sizes` tokens, each four equal sequences, every token labeled."""
+    """Bytes per token the forward and loss of a micro-batch keep (tests/saved_tensors.py): the slope between
+    two micro-batches of `sizes` tokens, each four equal sequences, every token labeled."""
     from scheduling import DacpPlan
+    from tests.saved_tensors import saved_bytes
     from workers.batch import build_rank_batch
     from workers.forward import micro_batch_loss_sum
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
     def saved(tokens: int) -> int:
-        seen: dict[int, int] = {}
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in params:
-                seen[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
         rng = np.random.default_rng(tokens)
         ids = [rng.integers(1, model.config.vocab_size, tokens // 4) for _ in range(4)]
         batch = build_rank_batch(DacpPlan(local=((0, 1, 2, 3),), distributed=()), ids, ids, cp_rank=0,
                                  cp_size=1).to(device)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            loss = micro_batch_loss_sum(model, batch, loss_chunk_tokens=512)
-        loss.backward()
-        return sum(seen.values())
+        return saved_bytes(model, lambda: micro_batch_loss_sum(model, batch, loss_chunk_tokens=512))
 
     saved(sizes[0])  # lazy inits (Triton's compiles, workspaces) outside the counted passes
     small, large = saved(sizes[0]), saved(sizes[1])
