@@ -221,3 +221,30 @@ def test_device_cuda_without_a_gpu_is_refused_before_anything_runs(capsys) -> No
     assert main(["bench", "peer", "--device", "cuda", "--steps", "1"]) == 2
     assert "bench peer --device cuda: no CUDA device is visible to torch" in capsys.readouterr().err
     assert trl_attention("cpu") == "sdpa"
+
+
+@pytest.mark.parametrize("side", ["our_side", "trl_side"])
+def test_each_side_resolves_auto_as_the_command_does(side: str, monkeypatch, tmp_path: Path) -> None:
+    """The GPU configs leave BucketSize and checkpointing to `auto`: each side (its own process) resolves
+    them from memory as `bench peer` did (the same C), instead of failing on the unresolved config."""
+    import importlib
+    import json
+
+    from app.profiling.budget import resolve_bucket_size
+
+    module = importlib.import_module(f"app.bench.peer.{side}")
+    seen = []
+    runner = "run_ours" if side == "our_side" else "run_trl"
+    monkeypatch.setattr(module, runner, lambda config, *args: seen.append(config) or {"side": side})
+    sets = ["model.name_or_path=tiny-qwen2", "model.random_init=true", "data.source=synthetic",
+            "data.shuffle=false", "parallel.num_workers=1", "parallel.cp_size=1"]
+    extra = ["--micro-batch", "2"] if side == "trl_side" else []
+    out = tmp_path / "side.json"
+    argv = ["--config", "configs/qwen2.5-0.5b-gpu.yaml", *[a for s in sets for a in ("--set", s)],
+            "--steps", "1", "--out", str(out), *extra]
+    assert module.main(argv) == 0 and json.loads(out.read_text()) == {"side": side}
+    (config,) = seen
+    expected, _ = resolve_bucket_size(load_config("configs/qwen2.5-0.5b-gpu.yaml", sets))
+    assert isinstance(config.scheduling.bucket_size, int)
+    assert config.scheduling.bucket_size == expected.scheduling.bucket_size
+    assert config.train.activation_checkpointing == expected.train.activation_checkpointing != "auto"

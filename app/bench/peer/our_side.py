@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.bench.peer.rows import POLICIES, check_peer_config
-from app.config import SkrullConfig, load_config
+from app.bench.peer.rows import POLICIES, check_peer_config, side_config
+from app.config import SkrullConfig
 from app.rundir.files import jsonable
 
 STEP_KEYS = ("step", "warmup", "step_s", "loss", "grad_norm", "tokens", "label_tokens", "sample_ids",
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--out", required=True, help="write the JSON result here")
     args = parser.parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    config = side_config(args.config, args.overrides)
     result = run_ours(config, args.steps, tuple(args.policies.split(",")))
     Path(args.out).write_text(json.dumps(jsonable(result)) + "\n")
     return 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.bench.driver import WARMUP_STEPS
-from app.config import ConfigError, SkrullConfig
+from app.config import ConfigError, SkrullConfig, load_config
 from app.data.preview import PreviewRow, preview_rows
 from scheduling.payload import USABLE_STATUSES
 
@@ -36,6 +36,16 @@ class StepBatch:
     @property
     def tokens(self) -> int:
         return sum(row.num_tokens for row in self.rows)
+
+
+def side_config(path: str, overrides: list[str]) -> SkrullConfig:
+    """A side's config from the command's --config and --set, `auto` resolved as the command resolved it
+    (app/profiling/budget.py: BucketSize C and checkpointing from memory; deterministic, so both sides and
+    the command get the same C): the GPU configs leave both to `auto`."""
+    from app.profiling.budget import resolve_bucket_size
+
+    config, _ = resolve_bucket_size(load_config(path, overrides))
+    return config
 
 
 def check_peer_config(config: SkrullConfig) -> None:

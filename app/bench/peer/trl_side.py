@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.bench.peer.rows import WARMUP_STEPS, StepBatch, step_batches
-from app.config import ConfigError, SkrullConfig, load_config
+from app.bench.peer.rows import WARMUP_STEPS, StepBatch, side_config, step_batches
+from app.config import ConfigError, SkrullConfig
 from scheduling.payload import IGNORE_INDEX
 
 ATTENTION = "sdpa"
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="write the JSON result here")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    config = side_config(args.config, args.overrides)
     out = Path(args.out)
     result = run_trl(config, args.steps, args.micro_batch, out.parent / f"{out.stem}-trainer", args.device)
     out.write_text(json.dumps(result) + "\n")
