@@ -355,8 +355,11 @@ stage_speed_step() {
 }
 stage_speed_peer() {
   need_cuda
-  speed_sets --set data.num_samples=192 --set data.shuffle=false --set parallel.num_workers=1 \
-    --set parallel.cp_size=1 --set resources.cpus_per_worker=1 --set run.storage_path="$RUNS"
+  # rows for the warm-up step, the calibration window (8) and 2 counted steps of 64 on both sides, cut at
+  # 16384 tokens as the train part's (C and checkpointing then come from memory alone)
+  speed_sets --set data.num_samples=$((64 * (1 + 8 + 2))) --set data.shuffle=false --set parallel.num_workers=1 \
+    --set parallel.cp_size=1 --set resources.cpus_per_worker=1 --set run.storage_path="$RUNS" \
+    --set data.max_length=16384
   run_json speed_peer "$py" -m app bench peer "${SETS[@]}" --device cuda --steps 2 --rounds 1 --json
 }
 stage_speed_tests() {

@@ -26,7 +26,7 @@ from app.config import ConfigError, SkrullConfig, load_config  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 8
 TINY = ["model.hidden_size=64", "model.num_layers=2", "model.intermediate_size=128", "data.num_samples=24",
-        f"scheduling.global_batch_size={GLOBAL_BATCH}",
+        f"scheduling.global_batch_size={GLOBAL_BATCH}", "scheduling.calibration=off",
         f"data.tokenizer={REPO / 'configs/bench/synth-bpe-773.json'}"]
 
 
@@ -75,6 +75,22 @@ def test_steps_are_the_rows_the_ray_data_tokenizer_makes(config: SkrullConfig,
         for row in batch.rows:
             assert row.input_ids == table[row.index]["input_ids"]
             assert row.labels == table[row.index]["labels"]
+
+
+def test_with_online_calibration_both_sides_train_its_window_uncounted(config: SkrullConfig) -> None:
+    """bench train leaves out the warm-up step and the calibration window (the planner tries its candidates
+    there): TRL trains the same batches, marked warm-up, so that both sides count the same global batches."""
+    from app.bench.driver import uncounted_steps
+
+    online = dataclasses.replace(config, scheduling=dataclasses.replace(
+        config.scheduling, calibration="online", calibration_window=2))
+    online = dataclasses.replace(online, data=dataclasses.replace(online.data, num_samples=5 * GLOBAL_BATCH))
+    assert uncounted_steps(online) == WARMUP_STEPS + 2
+    batches = step_batches(online, steps=2)
+    assert [b.warmup for b in batches] == [True, True, True, False, False]
+    assert [b.sample_ids[0] for b in batches] == [n * GLOBAL_BATCH for n in range(5)]
+    with pytest.raises(ConfigError, match="1 warm-up \\+ 2 calibration window \\+ 3 counted steps"):
+        step_batches(online, steps=3)
 
 
 def test_trl_trains_our_tokens_and_shifted_labels(trainer, batches: list[StepBatch]) -> None:

@@ -5,9 +5,11 @@
 
 Each round runs TRL (app/bench/peer/trl_side.py: SFTTrainer, padding-free, one process) and then this project
 (app/bench/peer/our_side.py: `bench train` of skrull and balanced_packed), each in a fresh process, so the
-rounds alternate T O T O ... and drift on the machine reaches both sides. Both train WARMUP_STEPS + --steps
-optimizer steps of the same global batches (app/bench/peer/rows.py) from the same initial weights; the first
-step of every run is left out of the timings on both sides. Over the counted steps of all rounds:
+rounds alternate T O T O ... and drift on the machine reaches both sides. Both train the same global batches
+(app/bench/peer/rows.py) from the same initial weights: `bench train`'s uncounted steps (the warm-up step
+and, with online calibration, the calibration window, in which the planner tries its candidates), then
+--steps counted ones; the uncounted steps are left out of the timings on both sides. Over the counted steps
+of all rounds:
 
     tokens_per_s        median tokens of a step / median step_s (bench train's formula), per side
     tokens_per_cpu_s    median tokens / median cpu_s: CPU seconds of the step, all threads of TRL's process,

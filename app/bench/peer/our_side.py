@@ -29,7 +29,7 @@ STEP_KEYS = ("step", "warmup", "step_s", "loss", "grad_norm", "tokens", "label_t
 
 
 def run_ours(config: SkrullConfig, steps: int, policies: tuple[str, ...] = POLICIES) -> dict[str, Any]:
-    """bench train of `policies` on WARMUP_STEPS + `steps` global batches; every step of every policy."""
+    """bench train of `policies` on its uncounted + `steps` global batches; every step of every policy."""
     from app.bench.driver import bench_train
     from app.bench.summary import summarize
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.bench.driver import WARMUP_STEPS
+from app.bench.driver import WARMUP_STEPS, uncounted_steps
 from app.config import ConfigError, SkrullConfig, load_config
 from app.data.preview import PreviewRow, preview_rows
 from scheduling.payload import USABLE_STATUSES
@@ -28,6 +28,8 @@ class StepBatch:
 
     step: int
     rows: tuple[PreviewRow, ...]
+    warmup: bool = False
+    """Left out of the timings, as `bench train` leaves out its uncounted steps."""
 
     @property
     def sample_ids(self) -> list[int]:
@@ -63,18 +65,22 @@ def check_peer_config(config: SkrullConfig) -> None:
 
 
 def step_batches(config: SkrullConfig, steps: int) -> list[StepBatch]:
-    """WARMUP_STEPS + `steps` global batches of usable rows, each used once (no second epoch)."""
+    """The global batches `bench train` trains for `steps` counted steps: its uncounted ones first (the
+    warm-up step and, with online calibration, the calibration window: app/bench/driver.py
+    uncounted_steps), then the counted ones; usable rows, each used once (no second epoch)."""
     check_peer_config(config)
-    size = config.scheduling.global_batch_size
-    needed = (WARMUP_STEPS + steps) * size
+    size, uncounted = config.scheduling.global_batch_size, uncounted_steps(config)
+    needed = (uncounted + steps) * size
     usable = usable_rows(config, needed)
     if len(usable) < needed:
-        raise ConfigError(f"--steps={steps}: {WARMUP_STEPS} warm-up + {steps} counted steps of "
+        window = uncounted - WARMUP_STEPS
+        uncounted_text = f"{WARMUP_STEPS} warm-up" + (f" + {window} calibration window" if window else "")
+        raise ConfigError(f"--steps={steps}: {uncounted_text} + {steps} counted steps of "
                           f"scheduling.global_batch_size={size} need {needed} usable rows, the data has "
                           f"{len(usable)} (data.num_samples for the synthetic source); fewer steps or more "
                           "rows")
-    return [StepBatch(step=n + 1, rows=tuple(usable[n * size:(n + 1) * size]))
-            for n in range(WARMUP_STEPS + steps)]
+    return [StepBatch(step=n + 1, rows=tuple(usable[n * size:(n + 1) * size]), warmup=n < uncounted)
+            for n in range(uncounted + steps)]
 
 
 def usable_rows(config: SkrullConfig, needed: int) -> list[PreviewRow]:

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.bench.peer.rows import WARMUP_STEPS, StepBatch, side_config, step_batches
+from app.bench.peer.rows import StepBatch, side_config, step_batches
 from app.config import ConfigError, SkrullConfig
 from scheduling.payload import IGNORE_INDEX
 
@@ -167,7 +167,8 @@ def step_clock() -> Any:
 
 def run_trl(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path,
             device: str = "cpu") -> dict[str, Any]:
-    """Train WARMUP_STEPS + `steps` global batches with TRL on `device`; every step's time, loss, batch."""
+    """Train `bench train`'s uncounted global batches + `steps` with TRL on `device` (step_batches); every
+    step's time, loss, batch."""
     import torch
     import transformers
     import trl
@@ -191,7 +192,7 @@ def run_trl(config: SkrullConfig, steps: int, micro_batch: int, out_dir: Path,
         "liger": bool(trainer.args.use_liger_kernel),
         "wall_s": time.perf_counter() - started,
         "per_step": [{
-            "step": b.step, "warmup": b.step <= WARMUP_STEPS, "step_s": end[0] - before[0],
+            "step": b.step, "warmup": b.warmup, "step_s": end[0] - before[0],
             "cpu_s": end[1] - before[1],
             "loss": clock.logs[b.step]["loss"], "grad_norm": clock.logs[b.step].get("grad_norm"),
             "tokens": b.tokens, "trl_tokens": seen[i] - (seen[i - 1] if i else 0.0),
