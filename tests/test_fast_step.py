@@ -233,12 +233,15 @@ def test_inductor_compiles_a_layer_once_for_every_length_and_matches_eager(monke
 def test_the_warm_up_adds_exact_zeros(tmp_path: Path) -> None:
     """warm_up's micro-batch leaves ZeRO's accumulated gradient at exactly zero (its loss is multiplied by 0),
     so the first step's gradient is the step's own (today's `fused` and `today` runs agree above as well):
-    ZeRO-2's fp32 partition, and the fp32 sums of the BF16_Optimizer that one worker runs in bf16."""
+    ZeRO-2's fp32 partition, and the fp32 sums of the BF16_Optimizer that one worker runs in bf16; and the
+    optimizer's state exists before that micro-batch runs."""
     from workers.tools.launch import run_workers
 
     (grads,) = run_workers(_warm_up_worker, 1, backend="gloo")
     assert grads["abs_sum"] == 0.0 and grads["micro_step_id"] == 0
     assert grads["bf16_zero1_abs_sum"] == 0.0  # one worker's ZeRO-1 in bf16: BF16_Optimizer's fp32 sums
+    # the optimizer's state was allocated before the micro-batch (workers/optimizer_state.py)
+    assert all(n > 0 for n in grads["optimizer_state"]), grads["optimizer_state"]
 
 
 def _warm_up_worker(rank: int, world: int) -> dict:
@@ -261,4 +264,5 @@ def _warm_up_worker(rank: int, world: int) -> dict:
     warm_up(zero1, groups, torch.device("cpu"), tokens=64, loss_chunk_tokens=16)
     sums = zero1.optimizer.fp32_groups_gradients_flat
     return {"abs_sum": total, "micro_step_id": engine.optimizer.micro_step_id,
-            "bf16_zero1_abs_sum": sum(float(g.abs().sum()) for g in sums)}
+            "bf16_zero1_abs_sum": sum(float(g.abs().sum()) for g in sums),
+            "optimizer_state": [len(e.optimizer.optimizer.state) for e in (engine, zero1)]}

@@ -9,7 +9,8 @@ is quadratic in a sequence's length: a C of 600k tokens as one sequence would ta
 multiplied by 0: its backward goes through
 DeepSpeed's gradient reduction like any micro-batch (every rank runs it, so ZeRO's collectives match) and
 adds exact zeros to the gradient the first step then accumulates. No optimizer step, no metrics, no laps:
-the online calibration never sees it.
+the online calibration never sees it. The optimizer's state is allocated first (workers/optimizer_state.py),
+so the warm-up holds what every later micro-batch holds: a C that does not fit fails here, before step 1.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from scheduling import DacpPlan
 from workers.batch import build_rank_batch
 from workers.distributed import ParallelGroups
+from workers.optimizer_state import allocate_optimizer_state
 from workers.step import engine_loss_sum
 
 SEQUENCE_TOKENS = 4096
@@ -31,6 +33,7 @@ def warm_up(engine: object, groups: ParallelGroups, device: torch.device, *, tok
     """Forward + backward of one `tokens`-token micro-batch with a zero loss (module docstring); 0: none."""
     if tokens <= 0:
         return
+    allocate_optimizer_state(engine.optimizer)
     cp_rank, cp_size = (0, 1) if groups.is_spare else (groups.cp_rank, groups.cp_size)
     vocab = engine.module.get_input_embeddings().num_embeddings
     rng = np.random.default_rng(0)

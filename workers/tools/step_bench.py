@@ -20,8 +20,8 @@ What a step's time splits into (StepReading):
 
 Every variant keeps its engine on the device for the whole run, so the peak of one step is measured against
 the memory the other variants hold: `peak_bytes` is the step's rise over what was allocated before it, plus
-what this variant's engine holds (its build's allocations and what its steps kept, e.g. Adam's state after
-the first): the peak the variant would reach alone.
+what this variant's engine holds (its build's allocations, Adam's state allocated before the warm-up, and
+what its steps kept): the peak the variant would reach alone.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def _timed_step(entry: _Live, index: int, device: torch.device) -> StepReading:
     peak = None
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated(device)) - before + entry.resident
-        entry.resident += _allocated(device) - before  # what the step kept (Adam's state on the first)
+        entry.resident += _allocated(device) - before  # what the step kept
     busy, laps = stats.laps.busy(), stats.laps.seconds()
     micro = float(sum(busy[:-1]))
     return StepReading(step=index + 1, step_s=step_s, micro_batch_s=micro, optimizer_s=float(laps[-1]),
