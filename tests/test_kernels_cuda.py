@@ -141,6 +141,35 @@ def test_a_bf16_gradient_adds_into_its_fp32_sum_in_one_kernel_on_cuda() -> None:
 
 @pytest.mark.cuda
 @needs_cuda
+def test_fused_adamws_state_allocated_ahead_trains_as_its_lazy_state_on_cuda() -> None:
+    """workers/optimizer_state.py with torch's fused CUDA AdamW (its own kernel, not the CPU one that
+    tests/test_optimizer_state.py runs): the weights stay bit for bit, the step counters are device
+    tensors at 0, and three steps from there equal three from torch's lazily created state."""
+    from workers.optimizer_state import allocate_optimizer_state
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    start = [torch.randn(n, device="cuda", generator=generator) for n in (4096 * 896, 896, 7)]
+    grads = [[torch.randn_like(t) for t in start] for _ in range(3)]
+
+    def trained(ahead: bool) -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True)
+        if ahead:
+            assert allocate_optimizer_state(optimizer)
+            assert all(torch.equal(p, t) for p, t in zip(params, start, strict=True))
+            steps = [state["step"] for state in optimizer.state.values()]
+            assert all(s.device.type == "cuda" and float(s) == 0.0 for s in steps)
+        for step_grads in grads:
+            for param, grad in zip(params, step_grads, strict=True):
+                param.grad = grad.clone()
+            optimizer.step()
+        return [p.detach() for p in params]
+
+    assert all(torch.equal(a, b) for a, b in zip(trained(True), trained(False), strict=True))
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_the_profiles_device_memory_is_what_the_allocator_can_hold_on_cuda() -> None:
     """`profile`'s device_memory_bytes (free + reserved): what this process allocates moves it by at most
     a segment's rounding, and it sits below the device's total by what lives outside the allocator."""
