@@ -5,8 +5,8 @@ torch's AdamW creates its state (exp_avg and exp_avg_sq, 8 bytes per trained par
 master partition, and a step counter) in its first `step`, and DeepSpeed's ZeRO and BF16 optimizers leave
 it so. The warm-up micro-batch of C tokens (workers/warmup.py) then runs without it: its peak is the memory
 model's less the optimizer's bytes (5 GB for a 0.5B model on one rank), a C that does not fit shows only at
-step 2, and the state is carved out of the cache after the warm-up's activations (fragmentation; DeepSpeed's
-fp16 optimizer allocates it at construction for that reason). Here it is allocated as torch's own
+step 2, and the state is carved out of the allocator's cache after the warm-up's activation blocks
+(DeepSpeed's fp16 optimizer, by contrast, allocates it at construction). Here it is allocated as torch's own
 `torch.distributed.checkpoint` does (`_init_optim_state`), with the step counters put back:
 
     if the optimizer already has state (a resumed run): nothing
@@ -57,9 +57,18 @@ def allocate_optimizer_state(optimizer: Any) -> bool:
     if inner is None or inner.state or any(getattr(optimizer, flag, False) for flag in OFFLOAD_FLAGS):
         return False
     masters = masters_by_group(optimizer, inner)
-    tensors = [t for group in masters.values() for t in group]
-    if not tensors:
+    if not any(masters.values()):
         return False
+    _zero_step(inner, masters)
+    for state in inner.state.values():
+        if "step" in state:
+            state["step"] = state["step"].zero_() if torch.is_tensor(state["step"]) else 0
+    return True
+
+
+def _zero_step(inner: torch.optim.Optimizer, masters: dict[int, list[torch.Tensor]]) -> None:
+    """One `inner.step()` over `masters` with zero gradients at lr 0; param lists, lr and .grad put back."""
+    tensors = [t for group in masters.values() for t in group]
     zeros = torch.zeros(max(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
     saved = [(group["params"], group["lr"]) for group in inner.param_groups]
     grads = [t.grad for t in tensors]
@@ -75,7 +84,3 @@ def allocate_optimizer_state(optimizer: Any) -> bool:
             group["params"], group["lr"] = params, lr
         for tensor, grad in zip(tensors, grads, strict=True):
             tensor.grad = grad
-    for state in inner.state.values():
-        if "step" in state:
-            state["step"] = state["step"].zero_() if torch.is_tensor(state["step"]) else 0
-    return True
