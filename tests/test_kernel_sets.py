@@ -1,8 +1,9 @@
 """model.kernels (workers/kernels): which set a worker runs, and the liger set's wiring.
 
 liger-kernel's Triton kernels run on CUDA only. On CPU a stand-in package named `liger_kernel` provides the
-public functions the liger set calls (liger_kernel.transformers.functional: liger_rms_norm, liger_swiglu,
-liger_fused_linear_cross_entropy; liger_kernel.transformers.rope: liger_rotary_pos_emb), each computing
+functions the liger set calls (liger_kernel.transformers.functional: liger_rms_norm, liger_swiglu;
+liger_kernel.transformers.rope: liger_rotary_pos_emb; liger_kernel.ops: the fused linear cross-entropy's
+forward, which also returns the gradients, and the in-place kernel that scales them), each computing
 what liger documents it computes, in plain torch. What this checks is our side: every RMSNorm and gated MLP
 of the decoder runs liger's function, RoPE is installed in the model family's modeling module (and restored
 by the torch set), the loss head calls the fused linear cross-entropy over the label rows only with the sum
@@ -13,6 +14,7 @@ fp32 rounding. The kernels' own numerics against transformers' modules are check
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 
@@ -28,7 +30,7 @@ SPEC = {"name_or_path": "tiny-qwen2", "vocab_size": 96, "hidden_size": 32, "num_
 
 def _standin() -> tuple[types.ModuleType, dict[str, list]]:
     """A `liger_kernel` package of liger's public functions in plain torch; records each call."""
-    calls: dict[str, list] = {"rms_norm": [], "swiglu": [], "flce": [], "rope": []}
+    calls: dict[str, list] = {"rms_norm": [], "swiglu": [], "flce": [], "scale": [], "rope": []}
 
     def liger_rms_norm(X, W, eps, offset=0.0, casting_mode="llama", in_place=True):
         calls["rms_norm"].append(casting_mode)
@@ -39,16 +41,30 @@ def _standin() -> tuple[types.ModuleType, dict[str, list]]:
         calls["swiglu"].append(a.shape)
         return torch.nn.functional.silu(a) * b
 
-    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, ce_weight=None, ignore_index=-100,
-                                         lse_square_scale=0.0, label_smoothing=0.0, reduction="mean",
-                                         softcap=None, return_z_loss=False, accum_dtype=None,
-                                         use_token_scaling=False, return_token_accuracy=False,
-                                         return_predicted_tokens=False, chunk_mem_const=1):
-        calls["flce"].append({"rows": input.shape[0], "reduction": reduction, "accum_dtype": accum_dtype,
+    def fused_linear_cross_entropy_forward(_input, weight, target, ce_weight=None, bias=None,
+                                           ignore_index=-100, reduction="mean", accum_dtype=None,
+                                           chunk_mem_const=1, **_):
+        """The loss and, as liger's forward does, the gradients of the input rows and the weight."""
+        calls["flce"].append({"rows": _input.shape[0], "reduction": reduction, "accum_dtype": accum_dtype,
                               "ignored": int((target == ignore_index).sum()), "mem_const": chunk_mem_const})
-        logits = torch.nn.functional.linear(input, weight, bias).float()
-        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
-                                                 reduction=reduction)
+        with torch.enable_grad():
+            rows = _input.detach().requires_grad_()
+            head = weight.detach().requires_grad_(weight.requires_grad)
+            logits = torch.nn.functional.linear(rows, head, bias).float()
+            loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index,
+                                                     reduction=reduction)
+            grads = torch.autograd.grad(loss, [rows, head] if head.requires_grad else [rows])
+        grad_weight = grads[1].to(weight.dtype) if head.requires_grad else None
+        return loss.detach(), None, None, None, grads[0], grad_weight, None
+
+    class ElementMul:
+        """liger's in-place `X *= *grad_output` kernel, launched as `kernel[grid](...)`."""
+
+        def __getitem__(self, grid):
+            def launch(x, x_stride, grad_output, n_cols, BLOCK_SIZE, X_col_stride=1, num_warps=32):
+                calls["scale"].append((grid, tuple(x.shape), n_cols))
+                x.mul_(grad_output)
+            return launch
 
     def liger_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         calls["rope"].append(q.shape)
@@ -60,18 +76,21 @@ def _standin() -> tuple[types.ModuleType, dict[str, list]]:
 
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
-    package = types.ModuleType("liger_kernel")
-    transformers_module = types.ModuleType("liger_kernel.transformers")
-    functional = types.ModuleType("liger_kernel.transformers.functional")
-    rope = types.ModuleType("liger_kernel.transformers.rope")
-    functional.liger_rms_norm = liger_rms_norm
-    functional.liger_swiglu = liger_swiglu
-    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
-    rope.liger_rotary_pos_emb = liger_rotary_pos_emb
-    transformers_module.functional, transformers_module.rope = functional, rope
-    package.transformers = transformers_module
-    modules = {"liger_kernel": package, "liger_kernel.transformers": transformers_module,
-               "liger_kernel.transformers.functional": functional, "liger_kernel.transformers.rope": rope}
+    names = ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.functional",
+             "liger_kernel.transformers.rope", "liger_kernel.ops",
+             "liger_kernel.ops.fused_linear_cross_entropy", "liger_kernel.ops.utils")
+    modules = {name: types.ModuleType(name) for name in names}
+    functional = modules["liger_kernel.transformers.functional"]
+    functional.liger_rms_norm, functional.liger_swiglu = liger_rms_norm, liger_swiglu
+    modules["liger_kernel.transformers.rope"].liger_rotary_pos_emb = liger_rotary_pos_emb
+    flce = modules["liger_kernel.ops.fused_linear_cross_entropy"]
+    flce.fused_linear_cross_entropy_forward, flce.MAX_FUSED_SIZE = fused_linear_cross_entropy_forward, 32768
+    utils = modules["liger_kernel.ops.utils"]
+    utils.element_mul_kernel, utils.is_hip = ElementMul(), lambda: False
+    for name, module in modules.items():  # each package holds its submodules as attributes
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(modules[parent], child, module)
     return modules, calls
 
 
@@ -86,7 +105,9 @@ def liger(monkeypatch):
     kernel_set("torch").activate(build_model(**SPEC))  # transformers' own RoPE back for later tests
 
 
-def _loss_and_grads(model) -> tuple[float, list[torch.Tensor]]:
+def _loss_and_grads(model, scale: float = 1.0, counter=None) -> tuple[float, list[torch.Tensor]]:
+    """The micro-batch's loss and every parameter's gradient of `scale` x loss (the backward inside
+    `counter`, a TorchDispatchMode, when given)."""
     from scheduling import DacpPlan
     from scheduling.payload import IGNORE_INDEX
     from workers.batch import build_rank_batch
@@ -100,21 +121,22 @@ def _loss_and_grads(model) -> tuple[float, list[torch.Tensor]]:
     batch = build_rank_batch(DacpPlan(local=((0, 1, 2),), distributed=()), ids, labels, cp_rank=0, cp_size=1)
     model.zero_grad(set_to_none=True)
     loss = micro_batch_loss_sum(model, batch, loss_chunk_tokens=16)
-    loss.backward()
+    with counter or contextlib.nullcontext():
+        (loss * scale).backward()
     return float(loss.detach()), [p.grad.clone() for p in model.parameters()]
 
 
 LossAndGrads = tuple[float, list[torch.Tensor]]
 
 
-def _with_set(name: str) -> LossAndGrads:
+def _with_set(name: str, scale: float = 1.0, counter=None) -> LossAndGrads:
     """_loss_and_grads of SPEC's model with kernel set `name` applied and activated."""
     from workers.models import build_model
 
     model = build_model(**SPEC)
     kernel_set(name).apply(model)
     kernel_set(name).activate(model)
-    return _loss_and_grads(model)
+    return _loss_and_grads(model, scale, counter)
 
 
 def _same_loss_and_grads(ours: LossAndGrads, ref: LossAndGrads) -> None:
@@ -138,6 +160,23 @@ def test_the_liger_set_routes_every_norm_mlp_rope_and_the_loss_through_liger(lig
     assert flce["reduction"] == "sum" and flce["accum_dtype"] == torch.float32
     # chunk_mem_const sizes liger's chunk near train.loss_chunk_tokens (16 rows here): 96 / (32 k) chunks
     assert flce["mem_const"] == int(np.ceil(96 / (32 * np.ceil(label_rows / 16))))
+    _same_loss_and_grads(ours, reference)
+
+
+def test_the_liger_loss_scales_liger_s_gradients_on_the_device(liger) -> None:
+    """The head's loss reaches liger with a gradient of W / G, never 1 (workers/step.py): the backward
+    scales the gradients liger's forward computed, in place with liger's kernel (one launch for the hidden
+    rows' gradient, one for the head weight's), and reads nothing back to the host, where liger's own
+    backward asks whether that gradient is 1 (workers/kernels/liger_linear_ce.py; on a GPU,
+    tests/test_kernels_cuda.py checks the same with liger's kernels and torch.cuda.set_sync_debug_mode)."""
+    from tests.test_fast_step import SyncCounter
+
+    reference = _with_set("torch", scale=0.37)
+    counter = SyncCounter()
+    ours = _with_set("liger", scale=0.37, counter=counter)
+    assert counter.calls == []
+    rows = liger["flce"][0]["rows"]
+    assert [(grid, shape) for grid, shape, _ in liger["scale"]] == [((rows,), (rows, 32)), ((96,), (96, 32))]
     _same_loss_and_grads(ours, reference)
 
 

@@ -66,9 +66,9 @@ def test_liger_kernels_match_transformers_modules_on_cuda() -> None:
 def _sync_free_steps(rank: int, world: int) -> dict[str, list[str]]:
     """Three steps of the device step on CUDA with sync debug mode "error" (a sync raises), at ZeRO-2 and at
     the ZeRO-1 one worker runs for it (DeepSpeed's BF16_Optimizer, workers/bf16_step.py), with the torch
-    kernel set: liger's fused linear cross-entropy reads the device twice per micro-batch itself (its
-    forward's `.item()` count of targets, its backward's `torch.equal(grad_output, 1)`; H200 trace,
-    docs/benchmarks.md), which this product's code cannot remove."""
+    kernel set: liger's fused linear cross-entropy's forward reads the device once per micro-batch itself
+    (its `.item()` count of targets, in liger's own code); its backward's `torch.equal(grad_output, 1)` is
+    gone (workers/kernels/liger_linear_ce.py, tested below)."""
     return {"zero2": _sync_errors(one_rank_zero1=False), "zero1": _sync_errors(one_rank_zero1=True)}
 
 
@@ -117,6 +117,48 @@ def test_a_training_step_never_synchronizes_on_cuda() -> None:
 
     (errors,) = run_workers(_sync_free_steps, 1, backend="nccl")
     assert errors == {"zero2": [], "zero1": []}
+
+
+@pytest.mark.cuda
+@needs_cuda
+@needs_liger
+def test_the_loss_heads_backward_is_ligers_without_its_host_read_on_cuda() -> None:
+    """workers/kernels/liger_linear_ce.py against liger's own function (the same forward and kernels): the
+    loss and both gradients bit for bit under the product's non-unit gradient (W / G), and its backward runs
+    under torch.cuda.set_sync_debug_mode("error"), where liger's own backward raises (its torch.equal)."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    from workers.kernels.liger_linear_ce import LinearCrossEntropySum
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(3000, 256, device="cuda", generator=generator).bfloat16()
+    weight = (torch.randn(4096, 256, device="cuda", generator=generator) * 0.02).bfloat16()
+    targets = torch.randint(0, 4096, (3000,), device="cuda", generator=generator)
+    scale = torch.tensor(0.37, device="cuda")
+
+    def ours(x, w):
+        return LinearCrossEntropySum.apply(x, w, None, targets, 2)
+
+    def ligers(x, w):
+        return liger_fused_linear_cross_entropy(x, w, targets, reduction="sum", accum_dtype=torch.float32,
+                                                chunk_mem_const=2)
+
+    def run(loss_fn, mode: str) -> tuple[torch.Tensor, ...]:
+        x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = loss_fn(x, w)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            (loss * scale).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return loss.detach(), x.grad, w.grad
+
+    run(ours, "default")  # Triton's first compile of the scaling kernel, outside the checked run
+    mine, reference = run(ours, "error"), run(ligers, "default")
+    assert all(torch.equal(a, b) for a, b in zip(mine, reference, strict=True))
+    with pytest.raises(RuntimeError):
+        run(ligers, "error")
 
 
 @pytest.mark.cuda

@@ -1,13 +1,15 @@
 """The liger kernel set: liger-kernel's fused Triton kernels (CUDA) for RMSNorm, SwiGLU, RoPE and the
-linear cross-entropy, through its public functional API (liger_kernel.transformers.functional).
+linear cross-entropy, through its functional API (liger_kernel.transformers.functional; the loss through its
+ops module).
 
 Module instances are patched in place (their parameters stay, so state dicts, checkpoints and ZeRO's
 partitioning are unchanged): every RMSNorm of the decoder runs `liger_rms_norm` (llama casting: the
 normalization in fp32, the weight applied in the input's dtype, as transformers' Llama/Qwen2 RMSNorm), every
 gated MLP `down_proj(liger_swiglu(gate_proj(x), up_proj(x)))`. RoPE is the family's module-level function
-(workers/kernels/rope.py). The loss is `liger_fused_linear_cross_entropy` over the label rows only, with
+(workers/kernels/rope.py). The loss is liger's fused linear cross-entropy over the label rows only, with
 the sum reduction the product's normalization needs (workers/step.py divides by the global batch's label
-tokens) and fp32 accumulation of the head's gradient; its chunk is sized so that one chunk holds about
+tokens) and fp32 accumulation of the head's gradient, its backward without liger's host synchronization
+(workers/kernels/liger_linear_ce.py); its chunk is sized so that one chunk holds about
 train.loss_chunk_tokens rows, as the torch set's chunks do (liger's default would cut a 150k vocabulary's
 micro-batch into chunks of ~128 rows, GEMMs too thin for a GPU).
 """
@@ -19,6 +21,7 @@ import types
 
 import torch
 
+from workers.kernels.liger_linear_ce import LinearCrossEntropySum
 from workers.kernels.rope import install_rope
 from workers.loss import LOSS_HEAD
 
@@ -49,10 +52,7 @@ def liger_linear_ce(hidden_TE: torch.Tensor, head: torch.nn.Linear, targets_T: t
     # liger's chunk: next_pow2(rows / ceil(V / (k * H))) rows; k makes it ~chunk_tokens rows.
     per_chunk = max(1, math.ceil(hidden.shape[0] / max(chunk_tokens, 1)))
     mem_const = max(1, math.ceil(vocab / (width * per_chunk)))
-    loss = _functional().liger_fused_linear_cross_entropy(
-        hidden, head.weight, targets, head.bias, reduction="sum", accum_dtype=torch.float32,
-        chunk_mem_const=mem_const)
-    return loss.float()
+    return LinearCrossEntropySum.apply(hidden, head.weight, head.bias, targets, mem_const).float()
 
 
 def _is_rms_norm(module: torch.nn.Module) -> bool:
