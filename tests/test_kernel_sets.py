@@ -163,7 +163,7 @@ def test_the_liger_set_routes_every_norm_mlp_rope_and_the_loss_through_liger(lig
     _same_loss_and_grads(ours, reference)
 
 
-def test_the_liger_loss_scales_liger_s_gradients_on_the_device(liger) -> None:
+def test_the_liger_loss_scales_its_gradients_without_a_host_read(liger) -> None:
     """The head's loss reaches liger with a gradient of W / G, never 1 (workers/step.py): the backward
     scales the gradients liger's forward computed, in place with liger's kernel (one launch for the hidden
     rows' gradient, one for the head weight's), and reads nothing back to the host, where liger's own
