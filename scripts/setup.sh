@@ -64,6 +64,13 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   # wheel on the Triton that CUDA torch ships; the `gpu` extra has it too, beside flash-attn's source build.
   "$VPY" -m pip install -q "liger-kernel>=0.8.5"
 fi
+if [[ ",$EXTRAS," == *,dev,* ]] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  # liger-kernel's own kernels for the CPU tests, run by Triton's interpreter (tests/test_liger_interpreted.py),
+  # in a directory of their own: in .venv itself liger would count as installed for model.kernels=auto.
+  # Pinned: tests/triton_interpreter.py closes gaps of this Triton's interpreter for this liger's kernels.
+  rm -rf .venv/liger-interpret
+  "$VPY" -m pip install -q --no-deps --target .venv/liger-interpret "triton==3.6.0" "liger-kernel==0.8.5"
+fi
 if [ "${SKRULL_FLASH_ATTN:-0}" = 1 ]; then
   "$VPY" -m pip install -q ninja packaging
   MAX_JOBS=${MAX_JOBS:-4} "$VPY" -m pip install --no-build-isolation "flash-attn>=2.7,<2.9"
