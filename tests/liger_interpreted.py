@@ -9,6 +9,11 @@ JSON line:
                RMSNorm, SwiGLU MLP and RoPE, workers/loss.py's chunked loss), a gradient of 0.37 x loss;
                worst_grad: the largest over parameters of max |g - g_torch| / max |g_torch|; calls: how
                often each liger function ran
+    kept       {"torch" | "liger": {"kept", "modeled"}}: bytes per token a bf16 forward and loss of the same
+               model keep for the backward (tests/saved_tensors.py: autograd's saved-tensor hooks, which see
+               liger's Functions' saves) against the memory model's count (app/profiling/activation/);
+               the interpreter's bf16 values are wrong (tests/test_liger_interpreted.py), its saves are
+               liger's Python's own
     linear_ce  workers/kernels/liger_linear_ce.py against liger's own LigerFusedLinearCrossEntropyFunction
                (same chunking), a gradient of 0.37: "equal" (loss and both gradients bit for bit), and the
                loss's relative difference from torch's cross_entropy of the full logits
@@ -94,6 +99,24 @@ def kernel_sets() -> dict[str, dict[str, Any]]:
     return result
 
 
+def kept_per_token() -> dict[str, dict[str, float]]:
+    from app.profiling.activation import Checkpointing, pass_memory, shape_from_hf
+    from app.profiling.activation import kernel_set as modeled_set
+    from tests.saved_tensors import kept_per_token as measured
+    from workers.kernels import kernel_set
+    from workers.models import build_model
+
+    result = {}
+    for name in ("torch", "liger"):
+        model = build_model(**{**SPEC, "dtype": "bf16"})
+        kernel_set(name).apply(model)
+        kernel_set(name).activate(model)
+        shape = shape_from_hf(model.config.to_dict(), element=2)
+        modeled = pass_memory(shape, modeled_set(name), Checkpointing(0), 512).kept_per_token
+        result[name] = {"kept": measured(model, torch.device("cpu"), (64, 128)), "modeled": modeled}
+    return result
+
+
 def linear_ce() -> dict[str, Any]:
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
@@ -119,4 +142,4 @@ def linear_ce() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"sets": kernel_sets(), "linear_ce": linear_ce()}))
+    print(json.dumps({"sets": kernel_sets(), "kept": kept_per_token(), "linear_ce": linear_ce()}))

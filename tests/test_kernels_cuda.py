@@ -227,26 +227,6 @@ def test_the_profiles_device_memory_is_what_the_allocator_can_hold_on_cuda() -> 
     assert 0.8 * total < before < total, (before, total)
 
 
-def _kept_per_token(model: torch.nn.Module, device: torch.device, sizes: tuple[int, int]) -> float:
-    """Bytes per token the forward and loss of a micro-batch keep (tests/saved_tensors.py): the slope between
-    two micro-batches of `sizes` tokens, each four equal sequences, every token labeled."""
-    from scheduling import DacpPlan
-    from tests.saved_tensors import saved_bytes
-    from workers.batch import build_rank_batch
-    from workers.forward import micro_batch_loss_sum
-
-    def saved(tokens: int) -> int:
-        rng = np.random.default_rng(tokens)
-        ids = [rng.integers(1, model.config.vocab_size, tokens // 4) for _ in range(4)]
-        batch = build_rank_batch(DacpPlan(local=((0, 1, 2, 3),), distributed=()), ids, ids, cp_rank=0,
-                                 cp_size=1).to(device)
-        return saved_bytes(model, lambda: micro_batch_loss_sum(model, batch, loss_chunk_tokens=512))
-
-    saved(sizes[0])  # lazy inits (Triton's compiles, workspaces) outside the counted passes
-    small, large = saved(sizes[0]), saved(sizes[1])
-    return (large - small) / (sizes[1] - sizes[0])
-
-
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("kernels", ["liger", "torch"])
@@ -259,11 +239,12 @@ def test_what_the_forward_keeps_on_cuda_is_what_the_memory_model_counts(kernels:
     if kernels == "liger" and importlib.util.find_spec("liger_kernel") is None:
         pytest.skip("needs liger-kernel")
     from app.profiling.activation import Checkpointing, kernel_set, pass_memory, shape_from_hf
+    from tests.saved_tensors import kept_per_token
     from workers.models import ModelSpec
 
     device = torch.device("cuda")
     model = ModelSpec(**SPEC, kernels=kernels).build_on(device)
-    kept = _kept_per_token(model, device, (1024, 2048))
+    kept = kept_per_token(model, device, (1024, 2048))
     shape = shape_from_hf(model.config.to_dict(), element=2)
     modeled = pass_memory(shape, kernel_set(kernels), Checkpointing(0), 512).kept_per_token
     assert modeled == pytest.approx(kept, rel=0.05), (kernels, modeled, kept)

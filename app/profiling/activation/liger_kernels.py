@@ -1,7 +1,9 @@
 """The liger kernel set (liger-kernel's fused RMSNorm, SwiGLU, RoPE and fused linear cross-entropy), per
 token. Derived from liger-kernel's source (src/liger_kernel/ops/: rms_norm.py, swiglu.py, rope.py,
-fused_linear_cross_entropy.py), not measured here: its Triton kernels run on CUDA only, so the CPU ledger
-(tests/test_memory_model.py) measures the torch set alone.
+fused_linear_cross_entropy.py). The CPU ledger (tests/test_memory_model.py) cannot run liger's kernels;
+tests/test_liger_interpreted.py counts what liger's own Functions save per token (Triton's interpreter on CPU,
+autograd's saved-tensor hooks) against `layer` and `head`'s kept bytes, and tests/test_kernels_cuda.py does
+the same on a GPU.
 
     LigerRMSNorm      saves X (its input, in the model's dtype) and RSTD (fp32, one per row); its output Y
                       is saved by the projections after it: e h + 4 + e h. The backward writes dX into dY
