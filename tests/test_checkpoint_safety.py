@@ -76,6 +76,51 @@ def test_manifests_catch_truncation_alteration_and_a_missing_rank(tmp_path: Path
     assert problems(Location.of(tmp_path / "nowhere")) == ["the directory is missing or empty"]
 
 
+def test_a_manifest_hashes_a_file_piece_by_piece_and_catches_a_change_in_any_piece(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """Each piece's digest is hashlib's SHA-256 of that slice of the file (pieces of 1,000 bytes here, 256
+    MiB in a run), and a byte changed in a middle piece or in the short last one is caught."""
+    import hashlib
+
+    import workers.checkpoint_files
+
+    monkeypatch.setattr(workers.checkpoint_files, "PIECE_BYTES", 1000)
+    (tmp_path / "step3").mkdir()
+    (shard := tmp_path / "step3" / "optim.pt").write_bytes(data := os.urandom(3500))
+    (tmp_path / "skrull_state.json").write_text(json.dumps({"step": 3, "world_size": 1}))
+    write_manifest(tmp_path, 0)
+    record = json.loads((tmp_path / manifest_name(0)).read_text())["files"]["step3/optim.pt"]
+    pieces = [hashlib.sha256(data[i:i + 1000]).hexdigest() for i in (0, 1000, 2000, 3000)]
+    assert record == {"size": 3500, "piece_bytes": 1000, "sha256_pieces": pieces}
+    assert problems(Location.of(tmp_path)) == []
+    for offset in (1500, 3499):
+        shard.write_bytes(data[:offset] + bytes([data[offset] ^ 1]) + data[offset + 1:])
+        assert problems(Location.of(tmp_path)) == ["step3/optim.pt's SHA-256 differs from the one recorded "
+                                                   "when it was written"]
+    shard.write_bytes(data)
+    assert problems(Location.of(tmp_path)) == []
+
+
+def test_a_manifest_of_whole_file_digests_still_verifies(tmp_path: Path) -> None:
+    """Checkpoints written before the pieces record one SHA-256 of each whole file: they still resume, and
+    an altered file is still caught."""
+    import hashlib
+
+    ckpt = _checkpoint(tmp_path, 5)
+    for rank in range(2):
+        manifest = json.loads((ckpt / manifest_name(rank)).read_text())
+        manifest["files"] = {name: {"size": (ckpt / name).stat().st_size,
+                                    "sha256": hashlib.sha256((ckpt / name).read_bytes()).hexdigest()}
+                             for name in manifest["files"]}
+        (ckpt / manifest_name(rank)).write_text(json.dumps(manifest))
+    assert problems(Location.of(ckpt)) == []
+    shard = ckpt / "step5" / "optim_rank0.pt"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert problems(Location.of(ckpt)) == ["step5/optim_rank0.pt's SHA-256 differs from the one recorded "
+                                           "when it was written"]
+
+
 # ------------------------------------------------------------------ choosing what to resume (unit)
 
 

@@ -2,8 +2,10 @@
 verified against the manifests before a resume.
 
     checkpoint_<time>/                   Ray Train's name for a new checkpoint, chosen by world rank 0
-      skrull_manifest_rank<RRRRR>.json   {"rank": R, "files": {relative path: {"size", "sha256"}}}: the files
-                                         world rank R wrote, hashed right after writing them
+      skrull_manifest_rank<RRRRR>.json   {"rank": R, "files": {relative path: {"size", "piece_bytes",
+                                         "sha256_pieces"}}}: the files world rank R wrote, hashed right after
+                                         writing them, piece by piece (workers/file_digests.py); manifests
+                                         written before the pieces hold one "sha256" of the whole file
       step<N>/ ... latest skrull_state.json   (workers/checkpoints.py)
 
 `save_checkpoint` (every rank): DeepSpeed's shard into a local temporary directory, this rank's manifest
@@ -16,9 +18,9 @@ Ray Train (which records it as the newest) only when every rank copied it comple
 
 Verification (`problems`) checks that every rank's manifest is there (skrull_state.json names the world
 size) and that every listed file exists with the recorded size and SHA-256. Cost: hashing at save time
-reads each rank's own files once more (from the page cache, right after writing); verifying reads the whole
-checkpoint once, at ~1 GB/s locally (an object store: one download of it). A checkpoint without manifests
-(written before they existed) cannot be verified and is taken as it is.
+reads each rank's own files once more (from the page cache, right after writing), in parallel pieces;
+verifying reads the whole checkpoint once (an object store: one download of it, in ranged reads). A
+checkpoint without manifests (written before they existed) cannot be verified and is taken as it is.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workers.checkpoints import STATE_FILE, CheckpointState
+from workers.file_digests import PIECE_BYTES, piece_digests
 from workers.storage import Location
 from workers.storage_errors import reason_of, storage_message, storage_path_of
 
@@ -56,14 +59,18 @@ def _sha256(stream: Any) -> str:
 
 
 def write_manifest(directory: str | Path, rank: int) -> None:
-    """Record size and SHA-256 of every file below `directory` (what this rank wrote) in its manifest."""
+    """Record size and SHA-256 pieces of every file below `directory` (what this rank wrote) in its
+    manifest."""
+    from pyarrow import fs
+
     root = Path(directory)
-    files = {}
     written = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(MANIFEST_PREFIX))
-    for path in written:
-        with path.open("rb") as stream:
-            digest = _sha256(stream)
-        files[path.relative_to(root).as_posix()] = {"size": path.stat().st_size, "sha256": digest}
+    sizes = {path.relative_to(root).as_posix(): path.stat().st_size for path in written}
+    local = fs.LocalFileSystem()
+    piece = PIECE_BYTES
+    digests = piece_digests(sizes, lambda name: local.open_input_file(str(root / name)), piece)
+    files = {name: {"size": size, "piece_bytes": piece, "sha256_pieces": digests[name]}
+             for name, size in sizes.items()}
     (root / manifest_name(rank)).write_text(json.dumps({"rank": rank, "files": files}, indent=1))
 
 
@@ -211,19 +218,31 @@ def problems(checkpoint: Location) -> list[str]:
         return [f"{STATE_FILE} or a manifest is unreadable ({err})"]
     missing = sorted(set(map(manifest_name, range(world))) - set(manifests))
     found = [f"no manifest of {len(missing)} of its {world} ranks ({', '.join(missing)})"] if missing else []
-    for files in listed:
-        for name, recorded in files.items():
-            found += _file_problems(filesystem, f"{root}/{name}", name, sizes.get(name), recorded)
+    records = {name: recorded for files in listed for name, recorded in files.items()}
+    for name, recorded in records.items():
+        if sizes.get(name) is None:
+            found.append(f"{name} is missing")
+        elif sizes[name] != recorded["size"]:
+            found.append(f"{name} has {sizes[name]} bytes, {recorded['size']} were written")
+    whole = {name: r for name, r in records.items() if sizes.get(name) == r["size"]}
+    found += [f"{name}'s SHA-256 differs from the one recorded when it was written"
+              for name in _altered(filesystem, root, whole)]
     return found
 
 
-def _file_problems(filesystem: Any, path: str, name: str, size: int | None,
-                   recorded: dict[str, Any]) -> list[str]:
-    if size is None:
-        return [f"{name} is missing"]
-    if size != recorded["size"]:
-        return [f"{name} has {size} bytes, {recorded['size']} were written"]
-    with filesystem.open_input_stream(path) as stream:
-        if _sha256(stream) != recorded["sha256"]:
-            return [f"{name}'s SHA-256 differs from the one recorded when it was written"]
-    return []
+def _altered(filesystem: Any, root: str, records: dict[str, dict[str, Any]]) -> list[str]:
+    """The files among `records` (name -> manifest record, sizes already checked) whose digests differ:
+    piece by piece in parallel, grouped by the manifests' piece size; a whole-file "sha256" in one stream."""
+    altered = []
+    by_piece: dict[int, dict[str, int]] = {}
+    for name, recorded in records.items():
+        if "sha256_pieces" in recorded:
+            by_piece.setdefault(recorded["piece_bytes"], {})[name] = recorded["size"]
+            continue
+        with filesystem.open_input_stream(f"{root}/{name}") as stream:
+            if _sha256(stream) != recorded["sha256"]:
+                altered.append(name)
+    for piece_bytes, files in by_piece.items():
+        digests = piece_digests(files, lambda name: filesystem.open_input_file(f"{root}/{name}"), piece_bytes)
+        altered += [name for name in files if digests[name] != records[name]["sha256_pieces"]]
+    return sorted(altered)
