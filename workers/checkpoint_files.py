@@ -218,31 +218,35 @@ def problems(checkpoint: Location) -> list[str]:
         return [f"{STATE_FILE} or a manifest is unreadable ({err})"]
     missing = sorted(set(map(manifest_name, range(world))) - set(manifests))
     found = [f"no manifest of {len(missing)} of its {world} ranks ({', '.join(missing)})"] if missing else []
-    records = {name: recorded for files in listed for name, recorded in files.items()}
-    for name, recorded in records.items():
+    records = [(name, recorded) for files in listed for name, recorded in files.items()]
+    for name, recorded in records:
         if sizes.get(name) is None:
             found.append(f"{name} is missing")
         elif sizes[name] != recorded["size"]:
             found.append(f"{name} has {sizes[name]} bytes, {recorded['size']} were written")
-    whole = {name: r for name, r in records.items() if sizes.get(name) == r["size"]}
+    whole = [(name, recorded) for name, recorded in records if sizes.get(name) == recorded["size"]]
     found += [f"{name}'s SHA-256 differs from the one recorded when it was written"
               for name in _altered(filesystem, root, whole)]
     return found
 
 
-def _altered(filesystem: Any, root: str, records: dict[str, dict[str, Any]]) -> list[str]:
-    """The files among `records` (name -> manifest record, sizes already checked) whose digests differ:
-    piece by piece in parallel, grouped by the manifests' piece size; a whole-file "sha256" in one stream."""
-    altered = []
-    by_piece: dict[int, dict[str, int]] = {}
-    for name, recorded in records.items():
+def _altered(filesystem: Any, root: str, records: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The files of `records` ((name, manifest record) pairs, sizes already checked) whose digests differ
+    from their record's: piece by piece in parallel (each file and piece size hashed once); a whole-file
+    "sha256" in one stream."""
+    pieced = {}
+    for name, recorded in records:
         if "sha256_pieces" in recorded:
-            by_piece.setdefault(recorded["piece_bytes"], {})[name] = recorded["size"]
-            continue
-        with filesystem.open_input_stream(f"{root}/{name}") as stream:
-            if _sha256(stream) != recorded["sha256"]:
-                altered.append(name)
-    for piece_bytes, files in by_piece.items():
-        digests = piece_digests(files, lambda name: filesystem.open_input_file(f"{root}/{name}"), piece_bytes)
-        altered += [name for name in files if digests[name] != records[name]["sha256_pieces"]]
-    return sorted(altered)
+            pieced.setdefault(recorded["piece_bytes"], {})[name] = recorded["size"]
+    digests = {piece_bytes: piece_digests(files, lambda name: filesystem.open_input_file(f"{root}/{name}"),
+                                          piece_bytes) for piece_bytes, files in pieced.items()}
+    altered = []
+    for name, recorded in records:
+        if "sha256_pieces" in recorded:
+            same = digests[recorded["piece_bytes"]][name] == recorded["sha256_pieces"]
+        else:
+            with filesystem.open_input_stream(f"{root}/{name}") as stream:
+                same = _sha256(stream) == recorded["sha256"]
+        if not same:
+            altered.append(name)
+    return altered
