@@ -121,6 +121,83 @@ def test_a_manifest_of_whole_file_digests_still_verifies(tmp_path: Path) -> None
                                            "when it was written"]
 
 
+def _save_with_temp_room(rank: int, world: int, run_dir: str, temp: str, free: int | None) -> dict:
+    """One gloo rank: a bf16 one-rank engine (BF16_Optimizer, its AdamW state allocated by the warm-up)
+    saved by save_checkpoint into `run_dir`, with its temporary directory in `temp` and, when `free` is
+    given, that directory's free space reported as `free` bytes. Ray Train's storage context is a stand-in
+    naming the checkpoint checkpoint_room."""
+    import shutil
+    import tempfile
+    from types import SimpleNamespace
+
+    import ray.train
+    import torch
+    from pyarrow import fs
+
+    import workers.checkpoint_files as files
+    from app.config import load_config
+    from app.model.deepspeed_config import deepspeed_config
+    from tests.test_fast_step import SPEC
+    from workers.checkpoints import CheckpointState
+    from workers.distributed import ParallelGroups
+    from workers.engine import build_engine
+    from workers.models import ModelSpec
+    from workers.warmup import warm_up
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    groups = ParallelGroups.create(world)
+    config = load_config(None, ["train.optimizer_impl=fused"])
+    ds = deepspeed_config(config.train, dtype="bf16", on_gpu=False, hidden_size=SPEC["hidden_size"])
+    engine = build_engine(ModelSpec(**SPEC, dtype="bf16"), ds, torch.device("cpu"), seed=0)
+    warm_up(engine, groups, torch.device("cpu"), tokens=48, loss_chunk_tokens=16)
+    storage = SimpleNamespace(make_default_checkpoint_dir_name=lambda: "checkpoint_room",
+                              storage_filesystem=fs.LocalFileSystem(),
+                              build_checkpoint_path_from_name=lambda name: f"{run_dir}/{name}")
+    ray.train.get_context = lambda: SimpleNamespace(get_storage=lambda: storage)
+    tempfile.tempdir = temp
+    if free is not None:
+        usage = shutil.disk_usage(temp)
+        files.shutil = SimpleNamespace(disk_usage=lambda _: usage._replace(free=free))
+    state = CheckpointState(step=3, epoch=0, rows=12, tag="step3", world_size=1, dp_size=1, cp_size=1)
+    saved = files.save_checkpoint(engine, state, groups.world_group, run_dir)
+    lora = build_engine(ModelSpec(**SPEC, dtype="bf16", lora_r=4), ds, torch.device("cpu"), seed=0)
+    warm_up(lora, groups, torch.device("cpu"), tokens=48, loss_chunk_tokens=16)
+    weights = [(p.numel() * p.element_size(), p.requires_grad) for p in lora.module.parameters()]
+    return {"failure": saved.failure, "estimate": files.shard_bytes(engine), "lora": files.shard_bytes(lora),
+            "lora_trained": sum(n for n, trained in weights if trained),
+            "lora_frozen": sum(n for n, trained in weights if not trained)}
+
+
+def test_a_shard_that_does_not_fit_the_temporary_directory_stops_before_saving(tmp_path: Path) -> None:
+    """save_checkpoint estimates this rank's shard (the masters, AdamW's state and the module's weights)
+    and compares it with the free space where DeepSpeed writes it first (TMPDIR): a shard that fits is
+    written, and its files hold about the estimate; one that does not stops every rank before DeepSpeed's
+    save (whose barriers a rank that failed inside it would never reach) with one line naming TMPDIR."""
+    from workers.tools.launch import run_workers
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    fits = run_workers(_save_with_temp_room, 1, args=(str(tmp_path / "run"), str(temp), None),
+                       backend="gloo")[0]
+    assert fits["failure"] is None
+    written = sum(p.stat().st_size for p in (tmp_path / "run" / "checkpoint_room" / "step3").iterdir())
+    assert fits["estimate"] <= written <= 1.1 * fits["estimate"], (fits["estimate"], written)
+    assert problems(Location.of(tmp_path / "run" / "checkpoint_room")) == []
+    # LoRA: the adapters' weights (bf16) with their masters and AdamW's two moments (fp32 each: 14 bytes per
+    # weight in all) and step counters, not the frozen base, which save_checkpoint leaves out
+    adapters = 7 * fits["lora_trained"]
+    assert adapters <= fits["lora"] <= adapters + 64 and fits["lora_frozen"] > 64, fits
+    short = run_workers(_save_with_temp_room, 1, args=(str(tmp_path / "run2"), str(temp), 4096),
+                        backend="gloo")[0]
+    assert short["failure"] == (
+        f"writing checkpoint_room (step 3): the temporary directory each rank writes its shard into before "
+        f"it moves into run.storage_path is too small on rank(s) 0 ({temp} has 0.0 MiB free, this rank's "
+        f"shard needs about {short['estimate'] / 2**20:,.1f} MiB). Set TMPDIR in the workers' environment "
+        f"(where Ray starts on each node, or the job's runtime_env) to a directory on a larger disk and "
+        f"rerun the same command to resume from the newest complete checkpoint")
+    assert not (tmp_path / "run2").exists() and list(temp.iterdir()) == []
+
+
 # ------------------------------------------------------------------ choosing what to resume (unit)
 
 

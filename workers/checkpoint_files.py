@@ -169,6 +169,11 @@ def save_checkpoint(engine: DeepSpeedEngine, state: CheckpointState, world_group
     dist.broadcast_object_list(names, src=0, group=world_group)  # once per checkpoint, not per step
     name = names[0]
     filesystem, target = storage.storage_filesystem, storage.build_checkpoint_path_from_name(name)
+    rooms: list[str | None] = [None] * dist.get_world_size(world_group)
+    dist.all_gather_object(rooms, temp_room_problem(engine), group=world_group)  # once per checkpoint
+    short = {r: problem for r, problem in enumerate(rooms) if problem is not None}
+    if short:  # every rank saw the same verdicts: none saves, so none waits in DeepSpeed's barriers
+        return SavedCheckpoint(name, failure=_temp_room_failure(name, state.step, short))
     with tempfile.TemporaryDirectory(prefix="skrull-ckpt-") as tmp:
         # LoRA: frozen base weights are rebuilt from the config, so the checkpoint holds only the adapter.
         frozen = not all(p.requires_grad for p in engine.module.parameters())
@@ -187,6 +192,48 @@ def save_checkpoint(engine: DeepSpeedEngine, state: CheckpointState, world_group
     fate = f"the partial {name} was removed" if left is None else f"the partial {name} is left ({left})"
     reason = storage_message(storage_path_of(run_dir), what, next(iter(failed.values())))
     return SavedCheckpoint(name, failure=f"{reason}; {fate}")
+
+
+def shard_bytes(engine: DeepSpeedEngine) -> int:
+    """About the bytes of this rank's DeepSpeed checkpoint shard: the fp32 masters and the optimizer state
+    of the torch optimizer under DeepSpeed's wrapper (this rank's partition), and the module's trained
+    parameters on a rank that writes the model file (ZeRO-3's module holds no full parameters; a LoRA
+    run's frozen base weights are not saved: save_checkpoint's exclude_frozen_parameters)."""
+    import torch
+
+    from workers.optimizer_state import inner_optimizer, masters_by_group
+
+    def nbytes(tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    trained = (p for p in engine.module.parameters() if p.requires_grad)
+    total = nbytes(trained) if engine.save_non_zero_checkpoint else 0
+    inner = inner_optimizer(engine.optimizer)
+    if inner is None:
+        return total
+    masters = masters_by_group(engine.optimizer, inner)
+    return (total + nbytes(t for group in masters.values() for t in group)
+            + nbytes(v for state in inner.state.values() for v in state.values()))
+
+
+def temp_room_problem(engine: DeepSpeedEngine) -> str | None:
+    """Why this rank's shard would not fit in the temporary directory it is written into first
+    (tempfile.gettempdir(): TMPDIR, else /tmp), or None. A full one fails inside torch.save with a message
+    that names no file; checked before saving, every rank can stop at the same point."""
+    root = tempfile.gettempdir()
+    need, free = shard_bytes(engine), shutil.disk_usage(root).free
+    if need + ROOM_KEPT_BYTES <= free:
+        return None
+    return f"{root} has {free / 2**20:,.1f} MiB free, this rank's shard needs about {need / 2**20:,.1f} MiB"
+
+
+def _temp_room_failure(name: str, step: int, short: dict[int, str]) -> str:
+    ranks = ", ".join(map(str, short))
+    return (f"writing {name} (step {step}): the temporary directory each rank writes its shard into before "
+            f"it moves into run.storage_path is too small on rank(s) {ranks} ({next(iter(short.values()))}). "
+            "Set TMPDIR in the workers' environment (where Ray starts on each node, or the job's "
+            "runtime_env) to a directory on a larger disk and rerun the same command to resume from the "
+            "newest complete checkpoint")
 
 
 def _try(write: Any, *args: Any) -> str | None:
